@@ -1,0 +1,79 @@
+"""Shared fixtures: real Redis servers of the test's own, fakeredis, the tiny model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from umbp_redis.embedded_redis import EmbeddedRedis
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("UMBP_TEST_CACHE", REPO / ".umbp-test-cache"))
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """One private redis-server for the session (free port, no persistence)."""
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """URL of the session server, flushed before the test."""
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushall()
+    r.config_set("maxmemory", 0)
+    r.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def own_redis() -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test alone, for tests that kill or reconfigure it."""
+    server = EmbeddedRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def fake_redis():  # type: ignore[no-untyped-def]
+    """An in-process fakeredis client for fast logic tests."""
+    import fakeredis
+
+    return fakeredis.FakeRedis()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """A random tiny Llama with its tokenizer, built locally once and reused."""
+    from umbp_redis.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(CACHE / "tiny-llama")
