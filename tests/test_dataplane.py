@@ -1,0 +1,430 @@
+"""The data plane against real redis-server processes."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from umbp_redis import resp
+from umbp_redis.config import RedisSettings
+from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
+from umbp_redis.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.value_format import HEADER, HEADER_SIZE, MAGIC, body_length
+
+FP = b"\x07" * 16
+
+
+def make_dp(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
+    return RedisDataPlane(RedisSettings.from_url(url, **kw))
+
+
+@pytest.fixture
+def dp(redis_url: str) -> Iterator[RedisDataPlane]:
+    d = make_dp(redis_url, checksum=True)
+    yield d
+    d.close()
+
+
+def payloads(n: int, size: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, size), dtype=np.uint8)
+
+
+def keys_for(n: int, tag: str = "t") -> list[str]:
+    return [f"umbp:vllm:v1:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
+
+
+# --- lookup --------------------------------------------------------------------------
+
+
+def test_lookup_reports_presence_in_order(dp: RedisDataPlane, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = keys_for(300)
+    present = {i for i in range(300) if (i * 7) % 3 == 0}
+    for i in present:
+        r.set(keys[i], b"x")
+    assert dp.lookup(keys, refresh_ttl=False) == [i in present for i in range(300)]
+    assert dp.lookup([]) == []
+    assert r.ttl(keys[0]) == -1  # no refresh asked
+
+
+def test_lookup_is_one_round_trip(dp: RedisDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[int] = []
+    real = resp.send_buffers
+
+    def counting(sock, buffers, *, use_sendmsg):  # type: ignore[no-untyped-def]
+        sent.append(len(buffers))
+        return real(sock, buffers, use_sendmsg=use_sendmsg)
+
+    monkeypatch.setattr("umbp_redis.dataplane.send_buffers", counting)
+    dp.lookup(keys_for(1000))
+    assert sent == [1]  # every EXISTS in one pre-encoded buffer, one send
+
+
+def test_lookup_refreshes_ttl_of_hits(dp: RedisDataPlane, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = keys_for(3)
+    r.set(keys[0], b"x", ex=10)
+    assert dp.lookup(keys, refresh_ttl=True) == [True, False, False]
+    assert r.ttl(keys[0]) > 10_000  # re-armed to ttl_seconds (default 86400)
+    assert not r.exists(keys[1])
+
+
+# --- store ---------------------------------------------------------------------------
+
+
+def test_store_then_load_is_byte_exact_with_ttl(dp: RedisDataPlane, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    for size in (1000, 65536, 2 << 20, 3 * 65536 + 123):
+        src = payloads(6, size, seed=size)
+        keys = keys_for(6, f"{size:x}")
+        assert dp.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 6
+        for k in keys:
+            assert 86000 < r.ttl(k) <= 86400
+            assert r.hstrlen(k, "b") == body_length(size)
+        dst = np.zeros_like(src)
+        st = dp.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
+        assert st == [LoadStatus.LOADED] * 6
+        assert np.array_equal(src, dst)
+
+
+def test_store_custom_ttl(dp: RedisDataPlane, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    k = keys_for(1)[0]
+    dp.store([(k, payloads(1, 100)[0])], FP, ttl_seconds=60)
+    assert 0 < r.ttl(k) <= 60
+
+
+def test_store_sends_staging_memory_without_copies(dp: RedisDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = payloads(4, 65536)
+    seen: list[memoryview] = []
+    real = resp.send_buffers
+
+    def spy(sock, buffers, *, use_sendmsg):  # type: ignore[no-untyped-def]
+        seen.extend(b for b in buffers if isinstance(b, memoryview))
+        return real(sock, buffers, use_sendmsg=use_sendmsg)
+
+    monkeypatch.setattr("umbp_redis.dataplane.send_buffers", spy)
+    dp.store(list(zip(keys_for(4), src, strict=True)), FP)
+    assert len(seen) == 4
+    for i, mv in enumerate(seen):
+        assert np.shares_memory(np.asarray(mv), src[i])  # a view of the staging row
+        assert mv.nbytes == body_length(65536)
+
+
+def test_skip_existing_does_not_resend(dp: RedisDataPlane, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = keys_for(4)
+    first = payloads(4, 4096, seed=1)
+    dp.store([(keys[0], first[0]), (keys[2], first[2])], FP, ttl_seconds=100)
+    second = payloads(4, 4096, seed=2)
+    st = dp.store(list(zip(keys, second, strict=True)), FP, skip_existing=True)
+    assert st == [StoreStatus.EXISTS, StoreStatus.STORED, StoreStatus.EXISTS, StoreStatus.STORED]
+    assert r.ttl(keys[0]) > 100  # re-armed
+    dst = np.zeros_like(first)
+    dp.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
+    assert np.array_equal(dst[0], first[0]) and np.array_equal(dst[1], second[1])
+    assert dp.stats.snapshot()["store_skipped"] == 2
+
+
+def test_memory_footprint_within_2_percent(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    d = make_dp(redis_url)
+
+    def dataset() -> int:
+        info = r.info("memory")
+        return int(info["used_memory"]) - int(info["mem_clients_normal"])
+
+    for size, count in ((65536, 256), (2 << 20, 16)):
+        r.flushall()
+        before = dataset()
+        d.store(list(zip(keys_for(count, f"m{size:x}"), payloads(count, size), strict=True)), FP)
+        ratio = (dataset() - before) / (count * size)
+        assert 0.99 < ratio <= 1.02, (size, ratio)
+    d.close()
+
+
+# --- load: invalid values ------------------------------------------------------------
+
+
+def _stored(dp: RedisDataPlane, size: int = 65536) -> tuple[str, np.ndarray]:
+    k = keys_for(1, "inv")[0]
+    src = payloads(1, size, seed=9)
+    assert dp.store([(k, src[0])], FP) == [StoreStatus.STORED]
+    return k, src
+
+
+def _load_one(dp: RedisDataPlane, k: str, size: int = 65536, fp: bytes = FP) -> LoadStatus:
+    dst = np.zeros(size, dtype=np.uint8)
+    return dp.load([(k, memoryview(dst))], fp)[0]
+
+
+def test_missing_and_wrong_fingerprint(dp: RedisDataPlane) -> None:
+    assert _load_one(dp, "umbp:nothing") is LoadStatus.MISSING
+    k, _ = _stored(dp)
+    assert _load_one(dp, k, fp=b"\x08" * 16) is LoadStatus.INVALID
+    assert _load_one(dp, k, size=65536 - 1) is LoadStatus.INVALID  # wrong length expected
+
+
+@pytest.mark.parametrize("damage", ["short", "long", "magic", "version", "checksum", "body", "type", "no_body"])
+def test_each_invalid_value_is_reported_invalid(dp: RedisDataPlane, redis_url: str, damage: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    k, src = _stored(dp)
+    h = r.hget(k, "h")
+    assert h is not None
+    if damage == "short":
+        r.hset(k, "h", h[: HEADER_SIZE - 5])
+    elif damage == "long":
+        r.hset(k, "h", h + b"\x00")
+    elif damage == "magic":
+        r.hset(k, "h", b"UMBX" + h[4:])
+    elif damage == "version":
+        r.hset(k, "h", h[:4] + struct.pack("<H", 99) + h[6:])
+    elif damage == "checksum":
+        b = bytearray(r.hget(k, "b") or b"")
+        b[100] ^= 0xFF
+        r.hset(k, "b", bytes(b))
+    elif damage == "body":
+        r.hset(k, "b", (r.hget(k, "b") or b"")[:-1])
+    elif damage == "type":
+        r.delete(k)
+        r.set(k, b"plain string")
+    elif damage == "no_body":
+        r.hdel(k, "b")
+    assert _load_one(dp, k) is LoadStatus.INVALID
+    # The connection stays in sync: the next load on it is right.
+    k2 = keys_for(1, "ok")[0]
+    good = payloads(1, 65536, seed=3)
+    dp.store([(k2, good[0])], FP)
+    dst = np.zeros(65536, dtype=np.uint8)
+    assert dp.load([(k2, memoryview(dst))], FP) == [LoadStatus.LOADED]
+    assert np.array_equal(dst, good[0])
+
+
+def test_header_is_readable_with_redis_cli(dp: RedisDataPlane, redis_server: EmbeddedRedis) -> None:
+    k, _ = _stored(dp)
+    out = subprocess.run(
+        ["redis-cli", "-p", str(redis_server.port), "--no-raw", "HGET", k, "h"],
+        capture_output=True, timeout=10,
+    ).stdout
+    assert out.startswith(b'"UMBP\\x01\\x00')  # magic then version 1, little-endian
+    raw = redis.Redis(port=redis_server.port).hget(k, "h") or b""
+    magic, version, flags, fp, plen, blen, _ = HEADER.unpack_from(raw)
+    assert (magic, version, fp, plen, blen) == (MAGIC, 1, FP, 65536, 65520)
+
+
+# --- bytes in flight -----------------------------------------------------------------
+
+
+def test_in_flight_bound_keeps_within_client_output_buffer_limit(own_redis: EmbeddedRedis) -> None:
+    r = redis.Redis.from_url(own_redis.url)
+    r.config_set("client-output-buffer-limit", "normal 8mb 8mb 0")
+    src = payloads(24, 2 << 20)
+    keys = keys_for(24)
+    bounded = make_dp(own_redis.url, max_inflight_bytes=4 << 20, transfer_connections=1)
+    assert set(bounded.store(list(zip(keys, src, strict=True)), FP)) == {StoreStatus.STORED}
+    dst = np.zeros_like(src)
+    assert bounded.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP) == [LoadStatus.LOADED] * 24
+    assert np.array_equal(dst, src)
+    # Without the bound, the server drops the connection for exceeding its buffer limit.
+    unbounded = make_dp(own_redis.url, max_inflight_bytes=1 << 30, transfer_connections=1, fail_fast_s=0)
+    res = unbounded.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
+    assert LoadStatus.ERROR in res
+    bounded.close()
+    unbounded.close()
+
+
+def test_large_batches_use_several_connections(redis_url: str) -> None:
+    d = make_dp(redis_url, transfer_connections=3)
+    src = payloads(12, 2 << 20)
+    d.store(list(zip(keys_for(12), src, strict=True)), FP)
+    assert d.pool.connects == 3
+    d.close()
+
+
+# --- outages -------------------------------------------------------------------------
+
+
+def test_connection_refused_is_a_miss_and_fails_fast() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    d = make_dp(url, fail_fast_s=30)
+    t0 = time.monotonic()
+    assert d.lookup(keys_for(5)) is None
+    assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
+    dst = np.zeros(100, dtype=np.uint8)
+    assert d.load([(keys_for(1)[0], memoryview(dst))], FP) == [LoadStatus.ERROR]
+    assert d.pool.failures == 1  # later calls failed fast, without trying to connect
+    assert time.monotonic() - t0 < 1.0
+    assert not d.pool.healthy
+    d.close()
+
+
+def test_timeout_is_bounded_and_a_miss(own_redis: EmbeddedRedis) -> None:
+    d = make_dp(own_redis.url, lookup_timeout_s=0.2, op_timeout_s=0.3, fail_fast_s=0)
+    d.lookup(keys_for(1))  # connect first
+    blocker = redis.Redis.from_url(own_redis.url)
+    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "1.5"))
+    th.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert d.lookup(keys_for(3)) is None
+    assert time.monotonic() - t0 < 0.6
+    dst = np.zeros(100, dtype=np.uint8)
+    t0 = time.monotonic()
+    assert d.load([(keys_for(1)[0], memoryview(dst))], FP) == [LoadStatus.ERROR]
+    assert time.monotonic() - t0 < 1.0
+    th.join()
+    assert d.lookup(keys_for(3)) == [False] * 3  # back to normal on a fresh connection
+    d.close()
+
+
+def test_oom_is_reported_per_key(own_redis: EmbeddedRedis) -> None:
+    r = redis.Redis.from_url(own_redis.url)
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + (3 << 20)))
+    d = make_dp(own_redis.url, transfer_connections=1)
+    st = d.store(list(zip(keys_for(16), payloads(16, 1 << 20), strict=True)), FP)
+    assert StoreStatus.STORED in st and StoreStatus.OOM in st
+    assert d.pool.healthy  # OOM is not an outage
+    assert d.lookup(keys_for(1)) == [True]
+    d.close()
+
+
+def test_server_restart_reconnects_automatically(own_redis: EmbeddedRedis) -> None:
+    d = make_dp(own_redis.url, fail_fast_s=0.3)
+    k = keys_for(1)[0]
+    d.store([(k, payloads(1, 100)[0])], FP)
+    own_redis.kill()
+    assert d.lookup([k]) is None
+    own_redis.start()  # empty: it keeps nothing on disk
+    time.sleep(0.35)
+    assert d.lookup([k]) == [False]
+    assert d.store([(k, payloads(1, 100)[0])], FP) == [StoreStatus.STORED]
+    assert d.lookup([k]) == [True]
+    d.close()
+
+
+class _LoadingServer:
+    """A TCP server that answers every command with ``-LOADING`` (as Redis does at startup)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._client, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _client(c: socket.socket) -> None:
+        with c:
+            while True:
+                data = c.recv(65536)
+                if not data:
+                    return
+                n = data.count(b"*")  # one reply per command in the buffer
+                c.sendall(b"-LOADING Redis is loading the dataset in memory\r\n" * max(1, n))
+
+
+def test_loading_server_is_a_miss() -> None:
+    srv = _LoadingServer()
+    d = make_dp(f"redis://127.0.0.1:{srv.port}/0", fail_fast_s=5)
+    assert d.lookup(keys_for(2)) is None
+    assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
+    assert not d.pool.healthy
+    srv.sock.close()
+    d.close()
+
+
+# --- auth and TLS ----------------------------------------------------------------------
+
+
+def test_password_auth(tmp_path: Path) -> None:
+    with EmbeddedRedis(password="pw-123") as srv:
+        good = make_dp(f"redis://:pw-123@127.0.0.1:{srv.port}/0")
+        assert good.lookup(keys_for(1)) == [False]
+        assert good.store([(keys_for(1)[0], payloads(1, 64)[0])], FP) == [StoreStatus.STORED]
+        bad = make_dp(f"redis://:wrong-pw@127.0.0.1:{srv.port}/0")
+        assert bad.lookup(keys_for(1)) is None
+        nopw = make_dp(srv.url)
+        assert nopw.lookup(keys_for(1)) is None
+        from umbp_redis.connection import RedisConnection
+        from umbp_redis.errors import RedisAuthError
+
+        with pytest.raises(RedisAuthError) as ei:
+            RedisConnection(RedisSettings.from_url(f"redis://:wrong-pw@127.0.0.1:{srv.port}/0"))
+        assert "wrong-pw" not in str(ei.value)
+        for x in (good, bad, nopw):
+            x.close()
+
+
+def test_acl_user_limited_to_umbp_keys() -> None:
+    with EmbeddedRedis() as srv:
+        admin = redis.Redis(port=srv.port)
+        admin.execute_command("ACL", "SETUSER", "umbp", "on", ">acl-pw", "~umbp:*", "+@all", "-@dangerous")
+        d = make_dp(f"redis://umbp:acl-pw@127.0.0.1:{srv.port}/0")
+        ok = keys_for(2)
+        assert d.store(list(zip(ok, payloads(2, 1000), strict=True)), FP) == [StoreStatus.STORED] * 2
+        assert d.lookup(ok) == [True, True]
+        dst = np.zeros(1000, dtype=np.uint8)
+        assert d.load([(ok[0], memoryview(dst))], FP) == [LoadStatus.LOADED]
+        # Keys outside ~umbp:* are refused by the server.
+        assert d.store([("other:key", payloads(1, 1000)[0])], FP) == [StoreStatus.ERROR]
+        assert not admin.exists("other:key")
+        d.close()
+
+
+def _make_cert(tmp: Path) -> tuple[str, str, str]:
+    ca_key, ca = tmp / "ca.key", tmp / "ca.pem"
+    key, csr, cert = tmp / "srv.key", tmp / "srv.csr", tmp / "srv.pem"
+    ext = tmp / "ext.cnf"
+    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key),
+        "-out", str(ca), "-days", "2", "-subj", "/CN=umbp-test-ca")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+        "-subj", "/CN=localhost")
+    run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+        "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    return str(cert), str(key), str(ca)
+
+
+def test_tls_connection(tmp_path: Path) -> None:
+    files = _make_cert(tmp_path)
+    with EmbeddedRedis(tls_files=files) as srv:
+        d = make_dp(srv.url, tls_ca_cert=files[2])
+        src = payloads(3, 65536)
+        keys = keys_for(3)
+        assert d.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 3
+        dst = np.zeros_like(src)
+        assert d.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP) == [LoadStatus.LOADED] * 3
+        assert np.array_equal(src, dst)
+        d.close()
+        # Without the CA the certificate is not trusted: a miss, not a crash.
+        untrusted = make_dp(srv.url)
+        assert untrusted.lookup(keys) is None
+        untrusted.close()
+
+
+def test_unix_socket() -> None:
+    with EmbeddedRedis(unix_socket=True) as srv:
+        d = make_dp(srv.url)
+        k = keys_for(1)[0]
+        assert d.store([(k, payloads(1, 5000)[0])], FP) == [StoreStatus.STORED]
+        assert d.lookup([k]) == [True]
+        d.close()

@@ -1,0 +1,287 @@
+"""The data-plane benchmark behind ``umbp-redis bench dataplane``.
+
+Every figure is measured in one run against one server, beside its baselines:
+``redis-benchmark`` (the server's ceiling), plain redis-py with hiredis (the naive
+client) and, for lookups, a redis-py EXISTS pipeline and sequential EXISTS calls.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import numpy as np
+
+from umbp_redis.config import RedisSettings
+from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
+
+FINGERPRINT = b"\x42" * 16
+
+
+def _best(fn: Callable[[], float], repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def redis_benchmark_gbps(settings: RedisSettings, size: int, requests: int) -> dict[str, float]:
+    """SET and GET GB/s from ``redis-benchmark`` (4 clients, pipeline 4) at ``size`` bytes."""
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return {"set": float("nan"), "get": float("nan")}
+    args = [exe, "-c", "4", "-P", "4", "-d", str(size), "-n", str(requests),
+            "-t", "set,get", "--csv"]
+    if settings.scheme == "unix":
+        args += ["-s", settings.path or ""]
+    else:
+        args += ["-h", settings.host, "-p", str(settings.port)]
+    if settings.password:
+        args += ["-a", settings.password, "--no-auth-warning"]
+        if settings.username:
+            args += ["--user", settings.username]
+    if settings.db:
+        args += ["--dbnum", str(settings.db)]
+    if settings.tls:
+        args += ["--tls"] + (["--cacert", settings.tls_ca_cert] if settings.tls_ca_cert else [])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600).stdout
+    rates: dict[str, float] = {}
+    for line in out.splitlines():
+        cols = [c.strip('"') for c in line.split(",")]
+        if len(cols) >= 2 and cols[0] in ("SET", "GET"):
+            rates[cols[0].lower()] = float(cols[1]) * size / 1e9
+    return {"set": rates.get("set", float("nan")), "get": rates.get("get", float("nan"))}
+
+
+def _redispy_client(settings: RedisSettings) -> Any:
+    import redis
+
+    kw: dict[str, Any] = {"username": settings.username, "password": settings.password,
+                          "db": settings.db}
+    if settings.scheme == "unix":
+        return redis.Redis(unix_socket_path=settings.path, **kw)
+    return redis.Redis(host=settings.host, port=settings.port, ssl=settings.tls,
+                       ssl_ca_certs=settings.tls_ca_cert, **kw)
+
+
+def redispy_gbps(settings: RedisSettings, size: int, count: int, repeats: int) -> dict[str, float]:
+    """Pipelined SET and GET GB/s of plain redis-py (hiredis) at ``size`` bytes."""
+    r = _redispy_client(settings)
+    value = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
+    keys = [f"bench:redispy:{size}:{i}" for i in range(count)]
+    batch = max(1, (32 << 20) // size)
+
+    def do_set() -> float:
+        t0 = time.perf_counter()
+        for i in range(0, count, batch):
+            p = r.pipeline(transaction=False)
+            for k in keys[i : i + batch]:
+                p.set(k, value)
+            p.execute()
+        return time.perf_counter() - t0
+
+    def do_get() -> float:
+        t0 = time.perf_counter()
+        for i in range(0, count, batch):
+            p = r.pipeline(transaction=False)
+            for k in keys[i : i + batch]:
+                p.get(k)
+            got = p.execute()
+            assert all(g is not None and len(g) == size for g in got)
+        return time.perf_counter() - t0
+
+    ts, tg = _best(do_set, repeats), _best(do_get, repeats)
+    r.delete(*keys)
+    r.close()
+    return {"set": count * size / ts / 1e9, "get": count * size / tg / 1e9}
+
+
+def umbp_gbps(dp: RedisDataPlane, size: int, count: int, repeats: int) -> dict[str, float]:
+    """This project's store (staging -> Redis) and load (Redis -> staging) GB/s."""
+    staging = np.random.default_rng(2).integers(0, 256, (count, size), dtype=np.uint8)
+    dest = np.zeros_like(staging)
+    keys = [f"umbp:vllm:v1:bench:tp0:pcp0:dcp0:pp0:g0:{size:x}{i:08x}" for i in range(count)]
+    store_items = [(k, staging[i]) for i, k in enumerate(keys)]
+    load_items = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
+
+    def do_store() -> float:
+        t0 = time.perf_counter()
+        st = dp.store(store_items, FINGERPRINT)
+        dt = time.perf_counter() - t0
+        assert all(s is StoreStatus.STORED for s in st), set(st)
+        return dt
+
+    def do_load() -> float:
+        t0 = time.perf_counter()
+        st = dp.load(load_items, FINGERPRINT)
+        dt = time.perf_counter() - t0
+        assert all(s is LoadStatus.LOADED for s in st), set(st)
+        return dt
+
+    ts, tl = _best(do_store, repeats), _best(do_load, repeats)
+    assert np.array_equal(staging, dest)
+    dp.delete(keys)
+    return {"store": count * size / ts / 1e9, "load": count * size / tl / 1e9}
+
+
+def lookup_latency_ms(dp: RedisDataPlane, settings: RedisSettings, nkeys: int) -> dict[str, float]:
+    """p50 ms of one lookup of ``nkeys`` keys (half present), three ways."""
+    r = _redispy_client(settings)
+    keys = [f"umbp:vllm:v1:bench:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(nkeys)]
+    p = r.pipeline(transaction=False)
+    for k in keys[::2]:
+        p.set(k, b"x")
+    p.execute()
+    expected = [i % 2 == 0 for i in range(nkeys)]
+
+    def t_umbp() -> float:
+        t0 = time.perf_counter()
+        got = dp.lookup(keys, refresh_ttl=False, timeout=5.0)
+        dt = time.perf_counter() - t0
+        assert got == expected
+        return dt
+
+    def t_pipe() -> float:
+        t0 = time.perf_counter()
+        pp = r.pipeline(transaction=False)
+        for k in keys:
+            pp.exists(k)
+        got = pp.execute()
+        dt = time.perf_counter() - t0
+        assert [g == 1 for g in got] == expected
+        return dt
+
+    def t_seq() -> float:
+        t0 = time.perf_counter()
+        got = [r.exists(k) for k in keys]
+        dt = time.perf_counter() - t0
+        assert [g == 1 for g in got] == expected
+        return dt
+
+    def p50(fn: Callable[[], float], runs: int) -> float:
+        fn()  # warm up
+        return statistics.median(fn() for _ in range(runs)) * 1e3
+
+    out = {
+        "keys": nkeys,
+        "umbp_ms_p50": p50(t_umbp, 51),
+        "redispy_pipeline_ms_p50": p50(t_pipe, 21),
+        "sequential_exists_ms_p50": p50(t_seq, 5),
+    }
+    r.delete(*keys[::2])
+    r.close()
+    return out
+
+
+def _dataset_memory(r: Any) -> int:
+    """``used_memory`` less the clients' query and reply buffers (they are transient)."""
+    info = r.info("memory")
+    return int(info["used_memory"]) - int(info.get("mem_clients_normal", 0))
+
+
+def memory_overhead(dp: RedisDataPlane, settings: RedisSettings, size: int, count: int) -> dict[str, float]:
+    """``used_memory`` growth per stored byte: this format, and a plain SET of the payload."""
+    r = _redispy_client(settings)
+    staging = np.random.default_rng(3).integers(0, 256, (count, size), dtype=np.uint8)
+
+    def grow(write: Callable[[], None]) -> float:
+        r.flushdb()
+        time.sleep(0.2)
+        before = _dataset_memory(r)
+        write()
+        after = _dataset_memory(r)
+        r.flushdb()
+        return (after - before) / (count * size)
+
+    keys = [f"umbp:vllm:v1:bench:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(count)]
+
+    def umbp() -> None:
+        st = dp.store([(k, staging[i]) for i, k in enumerate(keys)], FINGERPRINT)
+        assert all(s is StoreStatus.STORED for s in st)
+
+    def plain() -> None:
+        p = r.pipeline(transaction=False)
+        for i, k in enumerate(keys):
+            p.set(k, staging[i].tobytes(), ex=3600)
+        p.execute()
+
+    out = {"umbp": grow(umbp), "plain_set": grow(plain)}
+    r.close()
+    return out
+
+
+def run_dataplane_bench(
+    url: str,
+    *,
+    sizes: list[int],
+    total_bytes: int = 256 << 20,
+    repeats: int = 3,
+    progress: IO[str] | None = None,
+) -> dict[str, Any]:
+    """Run every measurement and return the JSON-able result."""
+    settings = RedisSettings.from_url(url)
+    dp = RedisDataPlane(settings)
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            print(msg, file=progress, flush=True)
+
+    results = []
+    for size in sizes:
+        count = max(8, total_bytes // size)
+        say(f"[bench] {size} B values: redis-benchmark")
+        rb = redis_benchmark_gbps(settings, size, requests=count * 2)
+        say(f"[bench] {size} B values: plain redis-py")
+        rp = redispy_gbps(settings, size, count, repeats)
+        say(f"[bench] {size} B values: umbp-redis")
+        um = umbp_gbps(dp, size, count, repeats)
+        results.append({
+            "value_bytes": size,
+            "redis_benchmark_set_gbps": rb["set"],
+            "redis_benchmark_get_gbps": rb["get"],
+            "redispy_set_gbps": rp["set"],
+            "redispy_get_gbps": rp["get"],
+            "umbp_store_gbps": um["store"],
+            "umbp_load_gbps": um["load"],
+        })
+    lookups = []
+    for n in (1000, 8000):
+        say(f"[bench] lookup of {n} keys")
+        lookups.append(lookup_latency_ms(dp, settings, n))
+    mem: dict[str, float] = {}
+    mem_plain: dict[str, float] = {}
+    for size in (65536, 2097152):
+        say(f"[bench] memory footprint of {size} B objects")
+        m = memory_overhead(dp, settings, size, max(16, (64 << 20) // size))
+        mem[str(size)] = m["umbp"]
+        mem_plain[str(size)] = m["plain_set"]
+    dp.close()
+    return {"results": results, "lookup": lookups, "memory_overhead": mem,
+            "memory_overhead_plain_set": mem_plain}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The result as human-readable tables with ratios."""
+    lines = ["value size | redis-benchmark SET/GET GB/s | redis-py SET/GET GB/s | "
+             "umbp store/load GB/s | umbp/redis-benchmark | umbp/redis-py"]
+    for r in result["results"]:
+        rb_s, rb_g = r["redis_benchmark_set_gbps"], r["redis_benchmark_get_gbps"]
+        lines.append(
+            f"{r['value_bytes']:>10} | {rb_s:6.2f} / {rb_g:6.2f} | "
+            f"{r['redispy_set_gbps']:6.2f} / {r['redispy_get_gbps']:6.2f} | "
+            f"{r['umbp_store_gbps']:6.2f} / {r['umbp_load_gbps']:6.2f} | "
+            f"{r['umbp_store_gbps'] / rb_s:5.2f}x / {r['umbp_load_gbps'] / rb_g:5.2f}x | "
+            f"{r['umbp_store_gbps'] / r['redispy_set_gbps']:5.1f}x / "
+            f"{r['umbp_load_gbps'] / r['redispy_get_gbps']:5.1f}x"
+        )
+    lines.append("")
+    lines.append("lookup keys | umbp p50 ms | redis-py pipeline p50 ms | sequential EXISTS p50 ms")
+    for lk in result["lookup"]:
+        lines.append(f"{lk['keys']:>11} | {lk['umbp_ms_p50']:11.2f} | "
+                     f"{lk['redispy_pipeline_ms_p50']:24.2f} | {lk['sequential_exists_ms_p50']:10.2f}")
+    lines.append("")
+    lines.append("object size | used_memory / payload (umbp) | (plain SET)")
+    for size, v in result["memory_overhead"].items():
+        lines.append(f"{size:>11} | {v:28.3f} | {result['memory_overhead_plain_set'][size]:.3f}")
+    return "\n".join(lines)

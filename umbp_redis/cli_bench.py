@@ -1,0 +1,55 @@
+"""``umbp-redis bench``: benchmarks that print ratios against baselines of the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    """Add the ``bench`` subcommand and its targets to the CLI."""
+    p = sub.add_parser("bench", help="run a benchmark")
+    targets = p.add_subparsers(dest="bench_target", metavar="TARGET")
+    dp = targets.add_parser(
+        "dataplane",
+        help="store/load GB/s and lookup latency vs redis-benchmark and plain redis-py",
+    )
+    dp.add_argument("--redis-url", default=None,
+                    help="server to measure (default: $UMBP_REDIS_URL, else a private server)")
+    dp.add_argument("--json", action="store_true", help="print one JSON object")
+    dp.add_argument("--sizes", default="65536,524288,2097152",
+                    help="comma-separated value sizes in bytes")
+    dp.add_argument("--total-mib", type=int, default=256,
+                    help="payload MiB moved per measurement (default 256)")
+    dp.add_argument("--repeats", type=int, default=3, help="runs per measurement; best is kept")
+    dp.set_defaults(handler=_run_dataplane)
+    p.set_defaults(handler=lambda a: (p.print_help(), 0)[1])
+
+
+def _run_dataplane(args: argparse.Namespace) -> int:
+    import os
+
+    from umbp_redis.bench_dataplane import format_table, run_dataplane_bench
+    from umbp_redis.embedded_redis import EmbeddedRedis
+
+    url = args.redis_url or os.environ.get("UMBP_REDIS_URL")
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    server = None
+    if not url:
+        server = EmbeddedRedis().start()
+        url = server.url
+    try:
+        result = run_dataplane_bench(
+            url, sizes=sizes, total_bytes=args.total_mib << 20, repeats=args.repeats,
+            progress=None if args.json else sys.stderr,
+        )
+    finally:
+        if server is not None:
+            server.cleanup()
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+    return 0

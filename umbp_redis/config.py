@@ -1,0 +1,211 @@
+"""Options of ``kv_connector_extra_config``: one table, validated at startup.
+
+Every option has a type, a default and a one-line description; ``docs/configuration.md``
+is checked against this table by the tests. An unknown key or a wrong type raises
+``ConfigError`` naming the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from umbp_redis.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration key."""
+
+    name: str
+    type: type | tuple[type, ...]
+    default: Any
+    doc: str
+    minimum: float | None = None
+    choices: tuple[Any, ...] | None = None
+
+
+MiB = 1 << 20
+
+OPTIONS: tuple[Option, ...] = (
+    Option("redis_url", str, "redis://localhost:6379/0",
+           "Server to use: redis://[user:password@]host:port/db, rediss://... (TLS) or "
+           "unix:///path/to/socket[?db=N]. Falls back to $UMBP_REDIS_URL when unset."),
+    Option("username", (str, type(None)), None, "ACL user name (overrides the URL's)."),
+    Option("password", (str, type(None)), None,
+           "Password (overrides the URL's; $UMBP_REDIS_PASSWORD is used when both are unset). "
+           "Never logged."),
+    Option("tls_ca_cert", (str, type(None)), None, "CA bundle that signs the server's certificate (rediss://)."),
+    Option("tls_cert", (str, type(None)), None, "Client certificate for mutual TLS."),
+    Option("tls_key", (str, type(None)), None, "Private key of tls_cert."),
+    Option("tls_check_hostname", bool, True, "Check that the server certificate names the host."),
+    Option("connect_timeout_s", (int, float), 1.0, "Timeout of one connection attempt.", minimum=0.001),
+    Option("op_timeout_s", (int, float), 5.0,
+           "Timeout of one store or load round trip on one connection.", minimum=0.001),
+    Option("lookup_timeout_s", (int, float), 0.25,
+           "Timeout of one prefix lookup; past it the blocks count as misses.", minimum=0.001),
+    Option("max_connections", int, 8, "Connections the process keeps to Redis at most.", minimum=1),
+    Option("transfer_connections", int, 2,
+           "Connections one large store or load batch is spread over.", minimum=1),
+    Option("max_inflight_bytes", int, 4 * MiB,
+           "Bytes of values requested but not yet read, per connection (bounds Redis' "
+           "client output buffers).", minimum=1),
+    Option("ttl_seconds", int, 86400, "TTL of every stored object.", minimum=1),
+    Option("refresh_ttl_on_lookup", bool, True,
+           "A lookup hit re-arms the object's TTL (in the same round trip)."),
+    Option("checksum", bool, False,
+           "Store an xxh3-64 checksum of each payload and verify it on load."),
+    Option("fail_fast_s", (int, float), 1.0,
+           "After a connection failure, calls fail at once for this long instead of "
+           "piling up behind a dead server.", minimum=0.0),
+    Option("key_namespace", (str, type(None)), None,
+           "Explicit key namespace; when unset it is derived from the model and cache layout."),
+)
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    ts = t if isinstance(t, tuple) else (t,)
+    return " or ".join("null" if x is type(None) else x.__name__ for x in ts)
+
+
+def validate_options(extra: Mapping[str, Any] | None, *, allowed: tuple[Option, ...] = OPTIONS) -> dict[str, Any]:
+    """Every option with its value (given or default); raises ``ConfigError`` on a bad key."""
+    extra = dict(extra or {})
+    by_name = {o.name: o for o in allowed}
+    unknown = sorted(set(extra) - set(by_name))
+    if unknown:
+        raise ConfigError(
+            f"unknown kv_connector_extra_config key(s) {unknown}; valid keys are "
+            f"{sorted(by_name)}"
+        )
+    out: dict[str, Any] = {}
+    for opt in allowed:
+        value = extra.get(opt.name, opt.default)
+        types = opt.type if isinstance(opt.type, tuple) else (opt.type,)
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok:
+            raise ConfigError(
+                f"kv_connector_extra_config[{opt.name!r}] must be {_type_name(opt.type)}, got "
+                f"{type(value).__name__} {value!r}"
+            )
+        if opt.minimum is not None and value is not None and value < opt.minimum:
+            raise ConfigError(
+                f"kv_connector_extra_config[{opt.name!r}] must be >= {opt.minimum}, got {value!r}"
+            )
+        if opt.choices is not None and value not in opt.choices:
+            raise ConfigError(
+                f"kv_connector_extra_config[{opt.name!r}] must be one of {list(opt.choices)}, "
+                f"got {value!r}"
+            )
+        out[opt.name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where and how to reach Redis, parsed from the options. ``repr`` hides the password."""
+
+    scheme: str  # "redis", "rediss" or "unix"
+    host: str = "localhost"
+    port: int = 6379
+    path: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    tls_ca_cert: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_check_hostname: bool = True
+    connect_timeout_s: float = 1.0
+    op_timeout_s: float = 5.0
+    lookup_timeout_s: float = 0.25
+    max_connections: int = 8
+    transfer_connections: int = 2
+    max_inflight_bytes: int = 4 * MiB
+    ttl_seconds: int = 86400
+    refresh_ttl_on_lookup: bool = True
+    checksum: bool = False
+    fail_fast_s: float = 1.0
+
+    @property
+    def tls(self) -> bool:
+        """Whether connections use TLS."""
+        return self.scheme == "rediss"
+
+    @property
+    def redacted_url(self) -> str:
+        """The server address for logs and errors, without credentials."""
+        if self.scheme == "unix":
+            return f"unix://{self.path}?db={self.db}"
+        user = f"{self.username}:***@" if self.username else ("***@" if self.password else "")
+        return f"{self.scheme}://{user}{self.host}:{self.port}/{self.db}"
+
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> RedisSettings:
+        """Settings for ``url`` with other fields from ``overrides`` (option names)."""
+        return cls.from_options({**overrides, "redis_url": url})
+
+    @classmethod
+    def from_options(cls, extra: Mapping[str, Any] | None) -> RedisSettings:
+        """Parse and validate ``kv_connector_extra_config`` (unknown keys are an error)."""
+        extra = dict(extra or {})
+        if "redis_url" not in extra and os.environ.get("UMBP_REDIS_URL"):
+            extra["redis_url"] = os.environ["UMBP_REDIS_URL"]
+        opts = validate_options(extra)
+        url = opts["redis_url"]
+        parts = urlsplit(url)
+        scheme = parts.scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(
+                f"kv_connector_extra_config['redis_url'] must start with redis://, rediss:// or "
+                f"unix://, got scheme {scheme!r}"
+            )
+        query = parse_qs(parts.query)
+        username = unquote(parts.username) if parts.username else None
+        password = unquote(parts.password) if parts.password else None
+        if username and password is None:  # redis://:password@host or redis://password@host
+            password, username = username, None
+        if parts.username == "" and parts.password:
+            username = None
+        username = opts["username"] or username or (query.get("username") or [None])[0]
+        password = (
+            opts["password"]
+            or password
+            or (query.get("password") or [None])[0]
+            or os.environ.get("UMBP_REDIS_PASSWORD")
+        )
+        try:
+            if scheme == "unix":
+                path = parts.path
+                if not path:
+                    raise ValueError("missing socket path")
+                db = int((query.get("db") or ["0"])[0])
+                host, port = "localhost", 0
+            else:
+                path = None
+                host = parts.hostname or "localhost"
+                port = parts.port or 6379
+                db_text = parts.path.lstrip("/") or (query.get("db") or ["0"])[0]
+                db = int(db_text)
+        except ValueError as e:
+            raise ConfigError(
+                f"kv_connector_extra_config['redis_url'] is malformed ({e}); expected "
+                "redis://[user:password@]host:port/db, rediss://... or unix:///path"
+            ) from None
+        names = {f.name for f in dataclasses.fields(cls)}
+        rest = {k: v for k, v in opts.items() if k in names and k not in ("username", "password")}
+        return cls(
+            scheme=scheme,
+            host=host,
+            port=port,
+            path=path,
+            db=db,
+            username=username,
+            password=password,
+            **rest,
+        )

@@ -1,0 +1,471 @@
+"""The Redis data plane shared by the scheduler and the workers.
+
+* ``lookup``: per-key presence of many keys in one round trip (optionally re-arming
+  the TTL of hits), or ``None`` ("unknown") on any error or timeout.
+* ``store``: many objects from the caller's staging memory, each written as the hash of
+  ``value_format`` with a TTL, payload bytes handed to ``sendmsg`` as memoryviews.
+* ``load``: many objects straight into caller buffers (``recv_into``), each validated
+  (magic, version, fingerprint, sizes, optional checksum) before it counts as loaded.
+
+Large batches are spread over several connections; bytes in flight per connection
+are bounded; nothing here raises into the caller for a Redis failure: results say
+per key what happened.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from umbp_redis.config import RedisSettings
+from umbp_redis.connection import ConnectionPool, RedisConnection
+from umbp_redis.errors import (
+    RedisDataPlaneError,
+    RedisLoadingError,
+    RedisOOMError,
+)
+from umbp_redis.resp import Buffer, ErrorReply, bulk_prefix, send_buffers
+from umbp_redis.value_format import (
+    HEADER_SIZE,
+    InvalidValue,
+    checksum,
+    decode_header,
+    encode_header,
+    validate_header,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_MIN_BYTES_PER_CONNECTION = 4 << 20
+
+
+class LoadStatus(enum.Enum):
+    """Outcome of loading one key."""
+
+    LOADED = "loaded"
+    MISSING = "missing"
+    INVALID = "invalid"
+    ERROR = "error"
+
+
+class StoreStatus(enum.Enum):
+    """Outcome of storing one key."""
+
+    STORED = "stored"
+    EXISTS = "exists"  # skipped: the key was already there (its TTL was re-armed)
+    OOM = "oom"
+    ERROR = "error"
+
+
+@dataclass
+class DataPlaneStats:
+    """Counters since the data plane was made (read them with ``snapshot``)."""
+
+    lookups: int = 0
+    lookup_errors: int = 0
+    lookup_keys: int = 0
+    lookup_hits: int = 0
+    stored_objects: int = 0
+    stored_bytes: int = 0
+    store_skipped: int = 0
+    store_failures: int = 0
+    loaded_objects: int = 0
+    loaded_bytes: int = 0
+    load_missing: int = 0
+    load_invalid: int = 0
+    load_errors: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        """Add to counters atomically."""
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters as a dict."""
+        with self._lock:
+            return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _key_bytes(key: str | bytes) -> bytes:
+    return key if isinstance(key, bytes) else key.encode()
+
+
+def _exists_cmd(k: bytes) -> bytes:
+    return b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(k), k)
+
+
+def _expire_cmd(k: bytes, ttl: bytes) -> bytes:
+    return b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(ttl), ttl)
+
+
+def _hmget_cmd(k: bytes) -> bytes:
+    return b"*4\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n$1\r\nb\r\n" % (len(k), k)
+
+
+def _groups(sizes: Sequence[int], budget: int) -> list[range]:
+    """Consecutive index ranges whose sizes add up to at most ``budget`` (>= 1 item each)."""
+    out: list[range] = []
+    start, acc = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and acc + n > budget:
+            out.append(range(start, i))
+            start, acc = i, 0
+        acc += n
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
+def _split(n: int, parts: int) -> list[range]:
+    step = -(-n // parts)
+    return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+class RedisDataPlane:
+    """Lookups, stores and loads of KV objects against one Redis server."""
+
+    def __init__(self, settings: RedisSettings) -> None:
+        self.settings = settings
+        self.pool = ConnectionPool(settings)
+        self.stats = DataPlaneStats()
+        self._executor = ThreadPoolExecutor(
+            max_workers=max(1, settings.transfer_connections - 1),
+            thread_name_prefix="umbp-redis-io",
+        )
+        self._ttl = str(int(settings.ttl_seconds)).encode()
+
+    # -- lookup -----------------------------------------------------------------------
+
+    def lookup(
+        self, keys: Sequence[str | bytes], *, refresh_ttl: bool | None = None,
+        timeout: float | None = None,
+    ) -> list[bool] | None:
+        """Presence of each key, in order, in one round trip; None when it is unknown.
+
+        With ``refresh_ttl`` (default: the ``refresh_ttl_on_lookup`` option) each hit's
+        TTL is re-armed by the same command (``EXPIRE`` answers 1 exactly for hits).
+        """
+        if not keys:
+            return []
+        refresh = self.settings.refresh_ttl_on_lookup if refresh_ttl is None else refresh_ttl
+        ttl = self._ttl
+        kb = [_key_bytes(k) for k in keys]
+        buf = b"".join(_expire_cmd(k, ttl) for k in kb) if refresh else b"".join(
+            _exists_cmd(k) for k in kb
+        )
+        wait = self.settings.lookup_timeout_s if timeout is None else timeout
+        try:
+            with self.pool.connection(timeout=wait) as conn:
+                send_buffers(conn.sock, [buf], use_sendmsg=False)
+                replies = conn.reader.read_int_replies(len(kb))
+        except RedisDataPlaneError as e:
+            self.stats.add(lookups=1, lookup_errors=1)
+            log.debug("lookup of %d keys failed: %s", len(kb), e)
+            return None
+        errors = [r for r in replies if isinstance(r, ErrorReply)]
+        if errors:
+            self.stats.add(lookups=1, lookup_errors=1)
+            log.debug("lookup got error replies: %s", errors[0])
+            if isinstance(errors[0].exc, RedisLoadingError):
+                self.pool.note_failure(errors[0].exc)
+            return None
+        present = [r == 1 for r in replies]
+        self.stats.add(lookups=1, lookup_keys=len(kb), lookup_hits=sum(present))
+        return present
+
+    # -- fan-out helper ---------------------------------------------------------------
+
+    def _fan_out(
+        self,
+        n_items: int,
+        total_bytes: int,
+        run: Callable[[range], list[T]],
+        on_error: T,
+    ) -> list[T]:
+        parts = min(
+            self.settings.transfer_connections,
+            n_items,
+            max(1, total_bytes // _MIN_BYTES_PER_CONNECTION),
+        )
+        chunks = _split(n_items, parts) if n_items else []
+
+        def guarded(rng: range) -> list[T]:
+            try:
+                return run(rng)
+            except RedisDataPlaneError as e:
+                log.debug("transfer of %d objects failed: %s", len(rng), e)
+                return [on_error] * len(rng)
+
+        futures = [self._executor.submit(guarded, c) for c in chunks[1:]]
+        out = guarded(chunks[0]) if chunks else []
+        for f in futures:
+            out.extend(f.result())
+        return out
+
+    # -- store ------------------------------------------------------------------------
+
+    def store(
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        fingerprint: bytes,
+        *,
+        skip_existing: bool = False,
+        ttl_seconds: int | None = None,
+    ) -> list[StoreStatus]:
+        """Write each (key, payload) with a TTL; per-key status, in order.
+
+        The payload buffers are read during the call only and are sent as memoryviews
+        (no copy). With ``skip_existing`` one extra round trip first re-arms the TTL of
+        keys already present and their values are not sent again.
+        """
+        if not items:
+            return []
+        ttl = str(int(ttl_seconds)).encode() if ttl_seconds else self._ttl
+        statuses: list[StoreStatus | None] = [None] * len(items)
+        todo = list(range(len(items)))
+        if skip_existing:
+            present = self._expire_existing([items[i][0] for i in todo], ttl)
+            if present is None:
+                return [StoreStatus.ERROR] * len(items)
+            for i, p in zip(list(todo), present, strict=True):
+                if p:
+                    statuses[i] = StoreStatus.EXISTS
+            todo = [i for i in todo if statuses[i] is None]
+        views = [memoryview(items[i][1]).cast("B") for i in todo]
+        total = sum(v.nbytes for v in views)
+        sub = [(_key_bytes(items[i][0]), views[j]) for j, i in enumerate(todo)]
+        results = self._fan_out(
+            len(sub), total, lambda rng: self._store_range(sub, rng, fingerprint, ttl),
+            StoreStatus.ERROR,
+        )
+        for i, st in zip(todo, results, strict=True):
+            statuses[i] = st
+        done = [s for s in statuses if s is not None]
+        stored = [v.nbytes for v, s in zip(views, results, strict=True) if s is StoreStatus.STORED]
+        self.stats.add(
+            stored_objects=len(stored),
+            stored_bytes=sum(stored),
+            store_skipped=sum(s is StoreStatus.EXISTS for s in done),
+            store_failures=sum(s in (StoreStatus.ERROR, StoreStatus.OOM) for s in done),
+        )
+        return done
+
+    def _expire_existing(self, keys: Sequence[str | bytes], ttl: bytes) -> list[bool] | None:
+        buf = b"".join(_expire_cmd(_key_bytes(k), ttl) for k in keys)
+        try:
+            with self.pool.connection() as conn:
+                send_buffers(conn.sock, [buf], use_sendmsg=False)
+                replies = conn.reader.read_int_replies(len(keys))
+        except RedisDataPlaneError as e:
+            log.debug("existence check before store failed: %s", e)
+            return None
+        if any(isinstance(r, ErrorReply) for r in replies):
+            return None
+        return [r == 1 for r in replies]
+
+    def _store_range(
+        self,
+        sub: Sequence[tuple[bytes, memoryview]],
+        rng: range,
+        fingerprint: bytes,
+        ttl: bytes,
+    ) -> list[StoreStatus]:
+        window = max(1, self.settings.max_inflight_bytes // 2)
+        idx = list(rng)
+        groups = _groups([sub[i][1].nbytes for i in idx], window)
+        out: list[StoreStatus] = []
+        with self.pool.connection() as conn:
+            pending: list[range] = []
+            for g in groups:
+                self._send_stores(conn, [sub[idx[j]] for j in g], fingerprint, ttl)
+                pending.append(g)
+                if len(pending) > 1:
+                    out.extend(self._read_stores(conn, len(pending.pop(0))))
+            for g in pending:
+                out.extend(self._read_stores(conn, len(g)))
+        return out
+
+    def _send_stores(
+        self,
+        conn: RedisConnection,
+        group: Sequence[tuple[bytes, memoryview]],
+        fingerprint: bytes,
+        ttl: bytes,
+    ) -> None:
+        bufs: list[Buffer] = []
+        with_checksum = self.settings.checksum
+        pending_small = bytearray()
+        for key, payload in group:
+            field_h, body_len = encode_header(fingerprint, payload, with_checksum=with_checksum)
+            pending_small += b"*6\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n$1\r\nb\r\n%s" % (
+                len(key), key, bulk_prefix(len(field_h)), field_h, bulk_prefix(body_len)
+            )
+            bufs.append(bytes(pending_small))
+            bufs.append(payload[:body_len])
+            pending_small = bytearray(b"\r\n" + _expire_cmd(key, ttl))
+        bufs.append(bytes(pending_small))
+        send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
+
+    @staticmethod
+    def _read_stores(conn: RedisConnection, n: int) -> list[StoreStatus]:
+        replies = conn.reader.read_int_replies(2 * n)
+        out = []
+        loading = None
+        for hset, expire in zip(replies[0::2], replies[1::2], strict=True):
+            if isinstance(hset, ErrorReply):
+                if isinstance(hset.exc, RedisLoadingError):
+                    loading = hset.exc
+                out.append(StoreStatus.OOM if isinstance(hset.exc, RedisOOMError) else StoreStatus.ERROR)
+            elif isinstance(expire, ErrorReply) or expire != 1:
+                out.append(StoreStatus.ERROR)
+            else:
+                out.append(StoreStatus.STORED)
+        if loading is not None:
+            raise loading
+        return out
+
+    # -- load -------------------------------------------------------------------------
+
+    def load(
+        self, items: Sequence[tuple[str | bytes, memoryview]], fingerprint: bytes
+    ) -> list[LoadStatus]:
+        """Read each key into its destination buffer; per-key status, in order.
+
+        A destination's content is meaningful only where the status is ``LOADED``: a
+        value that fails validation is reported ``INVALID`` and a missing key
+        ``MISSING``; a connection failure marks the keys of that connection ``ERROR``.
+        """
+        if not items:
+            return []
+        dests = [memoryview(d).cast("B") for _, d in items]
+        sub = [(_key_bytes(k), dests[i]) for i, (k, _) in enumerate(items)]
+        total = sum(d.nbytes for d in dests)
+        results = self._fan_out(
+            len(sub), total, lambda rng: self._load_range(sub, rng, fingerprint),
+            LoadStatus.ERROR,
+        )
+        ok = [d.nbytes for d, s in zip(dests, results, strict=True) if s is LoadStatus.LOADED]
+        self.stats.add(
+            loaded_objects=len(ok),
+            loaded_bytes=sum(ok),
+            load_missing=sum(s is LoadStatus.MISSING for s in results),
+            load_invalid=sum(s is LoadStatus.INVALID for s in results),
+            load_errors=sum(s is LoadStatus.ERROR for s in results),
+        )
+        return results
+
+    def _load_range(
+        self, sub: Sequence[tuple[bytes, memoryview]], rng: range, fingerprint: bytes
+    ) -> list[LoadStatus]:
+        window = max(1, self.settings.max_inflight_bytes // 2)
+        idx = list(rng)
+        groups = _groups([sub[i][1].nbytes + 128 for i in idx], window)
+        out: list[LoadStatus] = []
+        with self.pool.connection() as conn:
+            pending: list[range] = []
+            for g in groups:
+                cmds = b"".join(_hmget_cmd(sub[idx[j]][0]) for j in g)
+                send_buffers(conn.sock, [cmds], use_sendmsg=False)
+                pending.append(g)
+                if len(pending) > 1:
+                    done = pending.pop(0)
+                    out.extend(self._read_load(conn, sub[idx[j]][1], fingerprint) for j in done)
+            for g in pending:
+                out.extend(self._read_load(conn, sub[idx[j]][1], fingerprint) for j in g)
+        return out
+
+    def _read_load(self, conn: RedisConnection, dest: memoryview, fingerprint: bytes) -> LoadStatus:
+        r = conn.reader
+        n = r.read_array_header()
+        if isinstance(n, ErrorReply):
+            if isinstance(n.exc, RedisLoadingError):
+                raise n.exc
+            return LoadStatus.INVALID  # e.g. WRONGTYPE: not an object of ours
+        if n != 2:
+            raise RedisDataPlaneError(f"HMGET returned {n} fields")
+        hlen = r.read_bulk_header()
+        if isinstance(hlen, ErrorReply):
+            raise RedisDataPlaneError(hlen.message)
+        field_h = None if hlen < 0 else r.read_exact(hlen + 2)[:-2]
+        blen = r.read_bulk_header()
+        if isinstance(blen, ErrorReply):
+            raise RedisDataPlaneError(blen.message)
+        if field_h is None:
+            if blen >= 0:
+                r.skip(blen + 2)
+                return LoadStatus.INVALID
+            return LoadStatus.MISSING
+        try:
+            if blen < 0:
+                raise InvalidValue("body field missing")
+            hdr = decode_header(field_h)
+            validate_header(hdr, fingerprint=fingerprint, payload_len=dest.nbytes, body_field_len=blen)
+        except InvalidValue as e:
+            log.debug("invalid value: %s", e)
+            if blen >= 0:
+                r.skip(blen + 2)
+            return LoadStatus.INVALID
+        r.read_exact_into(dest[:blen])
+        r.expect_crlf()
+        if hdr.tail_len:
+            dest[blen:] = field_h[HEADER_SIZE:]
+        if hdr.has_checksum and checksum(dest) != hdr.checksum:
+            log.debug("checksum mismatch")
+            return LoadStatus.INVALID
+        return LoadStatus.LOADED
+
+    # -- misc -------------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[str | bytes]) -> int:
+        """UNLINK keys; the number removed (0 on error)."""
+        if not keys:
+            return 0
+        from umbp_redis.resp import encode_command
+
+        try:
+            with self.pool.connection() as conn:
+                send_buffers(conn.sock, [encode_command("UNLINK", *[_key_bytes(k) for k in keys])], use_sendmsg=False)
+                reply: Any = conn.reader.read_reply()
+        except RedisDataPlaneError:
+            return 0
+        return reply if isinstance(reply, int) else 0
+
+    def ping(self) -> float | None:
+        """Round-trip seconds of a PING, or None when the server does not answer."""
+        from umbp_redis.resp import encode_command
+
+        t0 = time.perf_counter()
+        try:
+            with self.pool.connection() as conn:
+                send_buffers(conn.sock, [encode_command("PING")], use_sendmsg=False)
+                reply = conn.reader.read_reply()
+        except RedisDataPlaneError:
+            return None
+        return time.perf_counter() - t0 if reply == "PONG" else None
+
+    def close(self) -> None:
+        """Stop the I/O threads and close connections."""
+        self._executor.shutdown(wait=True)
+        self.pool.close()
+
+
+_shared: dict[RedisSettings, RedisDataPlane] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_dataplane(settings: RedisSettings) -> RedisDataPlane:
+    """The process's one data plane (and connection pool) for ``settings``."""
+    with _shared_lock:
+        dp = _shared.get(settings)
+        if dp is None:
+            dp = _shared[settings] = RedisDataPlane(settings)
+        return dp

@@ -1,0 +1,234 @@
+"""RESP2 encoding and a reply reader that can receive bulk payloads into caller buffers.
+
+Commands are encoded as lists of buffers: small pre-encoded pieces plus the caller's
+memoryviews for large arguments, which go to the socket untouched (``sendmsg``).
+``ReplyReader.read_bulk_into`` parses a bulk header and receives the payload straight
+into a destination buffer with ``recv_into``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from umbp_redis.errors import (
+    RedisDataPlaneError,
+    RedisProtocolError,
+    RedisTimeoutError,
+    RedisUnavailableError,
+    classify_error_reply,
+)
+
+Buffer = bytes | bytearray | memoryview
+CRLF = b"\r\n"
+_READ_CHUNK = 256 * 1024
+
+
+def encode_command(*args: bytes | str | int) -> bytes:
+    """One command with small arguments as one RESP array."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+def bulk_prefix(n: int) -> bytes:
+    """The ``$<n>\\r\\n`` that precedes a bulk argument of ``n`` bytes."""
+    return b"$%d\r\n" % n
+
+
+class ErrorReply:
+    """An error reply inside a pipeline; ``exc`` is the typed exception it maps to."""
+
+    __slots__ = ("exc", "message")
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.exc = classify_error_reply(message)
+
+    def __repr__(self) -> str:
+        return f"ErrorReply({self.message!r})"
+
+
+class ReplyReader:
+    """Buffered RESP2 reader over one socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray(_READ_CHUNK)
+        self.view = memoryview(self.buf)
+        self.start = 0
+        self.end = 0
+
+    # -- low level -------------------------------------------------------------------
+
+    def _recv_into(self, mv: memoryview) -> int:
+        try:
+            n = self.sock.recv_into(mv)
+        except TimeoutError:
+            raise RedisTimeoutError("timed out waiting for Redis") from None
+        except OSError as e:
+            raise RedisUnavailableError(f"connection to Redis failed: {e}") from None
+        if n == 0:
+            raise RedisUnavailableError("Redis closed the connection")
+        return n
+
+    def _fill(self) -> None:
+        """Read more bytes into the buffer, compacting or growing it when full."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            if self.start > 0:
+                n = self.end - self.start
+                self.buf[:n] = self.buf[self.start : self.end]
+                self.start, self.end = 0, n
+            else:
+                self.buf.extend(bytes(len(self.buf)))
+                self.view = memoryview(self.buf)
+        self.end += self._recv_into(self.view[self.end :])
+
+    def read_line(self) -> bytes:
+        """One line without its CRLF."""
+        while True:
+            i = self.buf.find(CRLF, self.start, self.end)
+            if i >= 0:
+                line = bytes(self.buf[self.start : i])
+                self.start = i + 2
+                return line
+            self._fill()
+
+    def read_exact_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` from the stream: buffered bytes first, then ``recv_into`` directly."""
+        n = dest.nbytes
+        have = self.end - self.start
+        take = min(have, n)
+        if take:
+            dest[:take] = self.view[self.start : self.start + take]
+            self.start += take
+        got = take
+        while got < n:
+            got += self._recv_into(dest[got:])
+
+    def read_exact(self, n: int) -> bytes:
+        """``n`` bytes from the stream."""
+        while self.end - self.start < n:
+            self._fill()
+        out = bytes(self.buf[self.start : self.start + n])
+        self.start += n
+        return out
+
+    def skip(self, n: int) -> None:
+        """Discard ``n`` bytes of the stream."""
+        while n > 0:
+            if self.start == self.end:
+                self._fill()
+            take = min(n, self.end - self.start)
+            self.start += take
+            n -= take
+
+    def expect_crlf(self) -> None:
+        """Consume the CRLF that ends a bulk payload."""
+        if self.read_exact(2) != CRLF:
+            raise RedisProtocolError("bulk payload not followed by CRLF")
+
+    # -- replies ---------------------------------------------------------------------
+
+    def read_reply(self) -> Any:
+        """One reply: bytes, int, str (status), None, list, or an ``ErrorReply``."""
+        line = self.read_line()
+        if not line:
+            raise RedisProtocolError("empty reply line")
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            return ErrorReply(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            data = self.read_exact(n + 2)
+            return data[:-2]
+        if kind == b"*":
+            n = int(rest)
+            if n < 0:
+                return None
+            return [self.read_reply() for _ in range(n)]
+        raise RedisProtocolError(f"unexpected reply type {line[:20]!r}")
+
+    def read_array_header(self) -> int | ErrorReply:
+        """An array header's length (-1 for a null array), or the error reply instead."""
+        line = self.read_line()
+        if line[:1] == b"*":
+            return int(line[1:])
+        if line[:1] == b"-":
+            return ErrorReply(line[1:].decode(errors="replace"))
+        raise RedisProtocolError(f"expected an array, got {line[:20]!r}")
+
+    def read_bulk_header(self) -> int | ErrorReply:
+        """A bulk string's length (-1 for null), or the error reply instead."""
+        line = self.read_line()
+        if line[:1] == b"$":
+            return int(line[1:])
+        if line[:1] == b"-":
+            return ErrorReply(line[1:].decode(errors="replace"))
+        raise RedisProtocolError(f"expected a bulk string, got {line[:20]!r}")
+
+    def read_int_replies(self, count: int) -> list[int | ErrorReply]:
+        """``count`` integer replies; fast path for the 4-byte ``:0``/``:1`` replies."""
+        out: list[int | ErrorReply] = []
+        while len(out) < count:
+            while self.end - self.start < 4:
+                self._fill()
+            avail = (self.end - self.start) // 4
+            k = min(avail, count - len(out))
+            chunk = self.buf[self.start : self.start + 4 * k]
+            if chunk[0::4] == b":" * k and chunk[2::4] == b"\r" * k and chunk[3::4] == b"\n" * k:
+                out.extend(c - 48 for c in chunk[1::4])
+                self.start += 4 * k
+                continue
+            reply = self.read_reply()  # a multi-digit integer or an error reply
+            if not isinstance(reply, int | ErrorReply):
+                raise RedisProtocolError(f"expected an integer reply, got {reply!r}")
+            out.append(reply)
+        return out
+
+
+def raise_if_error(reply: Any) -> Any:
+    """Return ``reply``, or raise its typed exception if it is an error reply."""
+    if isinstance(reply, ErrorReply):
+        raise reply.exc
+    return reply
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Buffer], *, use_sendmsg: bool) -> None:
+    """Send every buffer in order without joining them (scatter-gather when possible)."""
+    try:
+        if not use_sendmsg:
+            for b in buffers:
+                sock.sendall(b)
+            return
+        pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+        i = 0
+        while i < len(pending):
+            batch = pending[i : i + 512]
+            sent = sock.sendmsg(batch)
+            # Advance past fully sent buffers and trim a partly sent one.
+            while sent > 0:
+                n = pending[i].nbytes
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    pending[i] = pending[i][sent:]
+                    sent = 0
+    except TimeoutError:
+        raise RedisTimeoutError("timed out sending to Redis") from None
+    except RedisDataPlaneError:
+        raise
+    except OSError as e:
+        raise RedisUnavailableError(f"connection to Redis failed: {e}") from None
