@@ -19,7 +19,12 @@ from umbp_redis.value_format import (
 def test_url_forms() -> None:
     s = RedisSettings.from_url("redis://alice:s3cret@cache.example:6380/2")
     assert (s.scheme, s.host, s.port, s.db, s.username, s.password) == (
-        "redis", "cache.example", 6380, 2, "alice", "s3cret"
+        "redis",
+        "cache.example",
+        6380,
+        2,
+        "alice",
+        "s3cret",
     )
     s = RedisSettings.from_url("redis://:pw@localhost:6379/0")
     assert s.username is None and s.password == "pw"
@@ -81,7 +86,9 @@ def test_header_round_trip_and_validation() -> None:
     assert hdr.has_checksum and hdr.payload_len == payload.nbytes and hdr.body_len == body
     validate_header(hdr, fingerprint=fp, payload_len=payload.nbytes, body_field_len=body)
     with pytest.raises(InvalidValue, match="fingerprint"):
-        validate_header(hdr, fingerprint=b"\x02" * 16, payload_len=payload.nbytes, body_field_len=body)
+        validate_header(
+            hdr, fingerprint=b"\x02" * 16, payload_len=payload.nbytes, body_field_len=body
+        )
     with pytest.raises(InvalidValue, match="payload length"):
         validate_header(hdr, fingerprint=fp, payload_len=10, body_field_len=body)
     with pytest.raises(InvalidValue, match="body field"):

@@ -32,10 +32,14 @@ def model_config(tiny_model: Path) -> ModelConfig:
     return ModelConfig(model=str(tiny_model), dtype="bfloat16", max_model_len=1024)
 
 
-def make_vllm_config(model_config: ModelConfig, *, tp: int = 1, extra: dict | None = None, **model_kw) -> VllmConfig:  # type: ignore[type-arg]
+def make_vllm_config(
+    model_config: ModelConfig, *, tp: int = 1, extra: dict | None = None, **model_kw
+) -> VllmConfig:  # type: ignore[type-arg]
     mc = model_config
     if model_kw:
-        mc = ModelConfig(model=model_config.model, max_model_len=1024, **{"dtype": "bfloat16", **model_kw})
+        mc = ModelConfig(
+            model=model_config.model, max_model_len=1024, **{"dtype": "bfloat16", **model_kw}
+        )
     cfg = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp))
     # Set after construction: VllmConfig would import the connector module to validate it.
     cfg.kv_transfer_config = KVTransferConfig(
@@ -74,7 +78,10 @@ def test_dcp_rank_is_derived_like_vllm_groups() -> None:
     assert [r.dcp_rank for r in t.rank_namespaces()] == [0, 1, 0, 1]
     t = RankTopology(tp_size=2, pcp_size=2, dcp_size=2)
     assert [(r.tp_rank, r.pcp_rank, r.dcp_rank) for r in t.rank_namespaces()] == [
-        (0, 0, 0), (1, 0, 0), (0, 1, 1), (1, 1, 1)
+        (0, 0, 0),
+        (1, 0, 0),
+        (0, 1, 1),
+        (1, 1, 1),
     ]
     t = RankTopology(tp_size=2, pcp_size=2, dcp_size=4, pp_size=2)
     assert t.num_rank_namespaces == 8
@@ -211,7 +218,9 @@ def test_replicated_group_keys() -> None:
     assert codec.keys_per_object(topo, 1) == 1
     assert codec.keys_per_object(topo, 0) == 4
     assert not codec.stores(1) and codec.stores(0)
-    rank0 = BlockIdentityCodec("ns", topo.with_ranks(tp_rank=0, pp_rank=0, pcp_rank=0), frozenset({1}))
+    rank0 = BlockIdentityCodec(
+        "ns", topo.with_ranks(tp_rank=0, pp_rank=0, pcp_rank=0), frozenset({1})
+    )
     assert rank0.stores(1) and rank0.key(HASH, 1) == codec.key(HASH, 1)
     assert parse_key(codec.key(HASH, 1)).tp_rank is None
 

@@ -43,7 +43,9 @@ def _round_trip(cfg, caches, num_blocks, src_block=3, dst_block=5):  # type: ign
     staging = torch.zeros(layout.object_size, dtype=torch.uint8)
     CpuBlockCopier(caches).gather(plan, staging)
     # The object is every layer's page, in layer order, in memory order.
-    expected = torch.cat([page_bytes(caches[n], src_block, num_blocks) for n in cfg.kv_cache_groups[0].layer_names])
+    expected = torch.cat(
+        [page_bytes(caches[n], src_block, num_blocks) for n in cfg.kv_cache_groups[0].layer_names]
+    )
     assert torch.equal(staging, expected)
 
     other = _clone_caches(caches)
@@ -53,14 +55,17 @@ def _round_trip(cfg, caches, num_blocks, src_block=3, dst_block=5):  # type: ign
     plan2 = planner2.plan_for_block("k", dst_block, bases2)
     CpuBlockCopier(other).scatter(plan2, staging)
     for name in cfg.kv_cache_groups[0].layer_names:
-        assert torch.equal(page_bytes(other[name], dst_block, num_blocks), page_bytes(caches[name], src_block, num_blocks))
+        assert torch.equal(
+            page_bytes(other[name], dst_block, num_blocks),
+            page_bytes(caches[name], src_block, num_blocks),
+        )
         for b in range(num_blocks):
             if b != dst_block:
                 assert not page_bytes(other[name], b, num_blocks).any(), f"block {b} was touched"
     return planner, plan
 
 
-@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda lay: lay.name)
 def test_vllm_allocated_layouts_round_trip(layout: KVCacheLayout) -> None:
     cfg, caches = vllm_layout_caches(layout)
     planner, plan = _round_trip(cfg, caches, 8)
@@ -79,7 +84,9 @@ def test_vllm_allocated_layouts_round_trip(layout: KVCacheLayout) -> None:
 
 def test_cpu_engine_layout_of_vllm_032() -> None:
     """The packed 4-D (blocks, heads, block_size, 2*head_size) views vLLM 0.32 gives on CPU."""
-    cfg, caches = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=6, spec=attn_spec(block_size=128))
+    cfg, caches = vllm_layout_caches(
+        KVCacheLayout.LBHNC, num_blocks=6, spec=attn_spec(block_size=128)
+    )
     t = caches[LAYERS[0]]
     assert tuple(t.shape) == (6, 2, 128, 128)
     planner, plan = _round_trip(cfg, caches, 6)
@@ -87,7 +94,9 @@ def test_cpu_engine_layout_of_vllm_032() -> None:
 
 
 def test_kernel_block_split_pages() -> None:
-    cfg, caches = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=4, spec=attn_spec(block_size=32), kernel_block_size=16)
+    cfg, caches = vllm_layout_caches(
+        KVCacheLayout.LBHNC, num_blocks=4, spec=attn_spec(block_size=32), kernel_block_size=16
+    )
     assert caches[LAYERS[0]].shape[0] == 8  # two kernel blocks per block
     _round_trip(cfg, caches, 4, src_block=1, dst_block=2)
 
@@ -149,7 +158,9 @@ def test_plan_is_deterministic_and_addresses_follow_block_stride() -> None:
     assert p1 == p2 and p1.request_id == "r1" and p1.key == "key"
     p3 = planner.plan_for_block("key", 3, bases)
     stride = cfg.kv_cache_tensors[0].block_stride
-    assert [r.engine_address - q.engine_address for r, q in zip(p3.ranges, p1.ranges, strict=True)] == [stride] * len(p1.ranges)
+    assert [
+        r.engine_address - q.engine_address for r, q in zip(p3.ranges, p1.ranges, strict=True)
+    ] == [stride] * len(p1.ranges)
     assert all(isinstance(r, KVRange) for r in p1.ranges)
     assert p1.layout_fingerprint == planner.layout(0).fingerprint
 

@@ -89,7 +89,9 @@ def _metadata() -> tuple[UMBPConnectorMetadata, UMBPConnectorWorkerMetadata, UMB
         cancelled_requests=["r3"],
     )
     wmeta = UMBPConnectorWorkerMetadata({2: StoreEventResult(2, 1, frozenset({"k"}))}, {"r1"})
-    hs = UMBPHandshakeMetadata("abcd", RankTopology(tp_rank=1, tp_size=2), {0: "ff" * 16}, {0: 4096})
+    hs = UMBPHandshakeMetadata(
+        "abcd", RankTopology(tp_rank=1, tp_size=2), {0: "ff" * 16}, {0: 4096}
+    )
     return meta, wmeta, hs
 
 
@@ -109,7 +111,6 @@ def test_metadata_survives_pickle_and_process_boundaries() -> None:
 
 def test_metadata_survives_vllm_msgpack() -> None:
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
 
     for obj in _metadata():
         enc = MsgpackEncoder()

@@ -103,7 +103,9 @@ def test_store_custom_ttl(dp: RedisDataPlane, redis_url: str) -> None:
     assert 0 < r.ttl(k) <= 60
 
 
-def test_store_sends_staging_memory_without_copies(dp: RedisDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_store_sends_staging_memory_without_copies(
+    dp: RedisDataPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = payloads(4, 65536)
     seen: list[memoryview] = []
     real = resp.send_buffers
@@ -174,8 +176,12 @@ def test_missing_and_wrong_fingerprint(dp: RedisDataPlane) -> None:
     assert _load_one(dp, k, size=65536 - 1) is LoadStatus.INVALID  # wrong length expected
 
 
-@pytest.mark.parametrize("damage", ["short", "long", "magic", "version", "checksum", "body", "type", "no_body"])
-def test_each_invalid_value_is_reported_invalid(dp: RedisDataPlane, redis_url: str, damage: str) -> None:
+@pytest.mark.parametrize(
+    "damage", ["short", "long", "magic", "version", "checksum", "body", "type", "no_body"]
+)
+def test_each_invalid_value_is_reported_invalid(
+    dp: RedisDataPlane, redis_url: str, damage: str
+) -> None:
     r = redis.Redis.from_url(redis_url)
     k, src = _stored(dp)
     h = r.hget(k, "h")
@@ -213,7 +219,8 @@ def test_header_is_readable_with_redis_cli(dp: RedisDataPlane, redis_server: Emb
     k, _ = _stored(dp)
     out = subprocess.run(
         ["redis-cli", "-p", str(redis_server.port), "--no-raw", "HGET", k, "h"],
-        capture_output=True, timeout=10,
+        capture_output=True,
+        timeout=10,
     ).stdout
     assert out.startswith(b'"UMBP\\x01\\x00')  # magic then version 1, little-endian
     raw = redis.Redis(port=redis_server.port).hget(k, "h") or b""
@@ -232,10 +239,15 @@ def test_in_flight_bound_keeps_within_client_output_buffer_limit(own_redis: Embe
     bounded = make_dp(own_redis.url, max_inflight_bytes=4 << 20, transfer_connections=1)
     assert set(bounded.store(list(zip(keys, src, strict=True)), FP)) == {StoreStatus.STORED}
     dst = np.zeros_like(src)
-    assert bounded.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP) == [LoadStatus.LOADED] * 24
+    assert (
+        bounded.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
+        == [LoadStatus.LOADED] * 24
+    )
     assert np.array_equal(dst, src)
     # Without the bound, the server drops the connection for exceeding its buffer limit.
-    unbounded = make_dp(own_redis.url, max_inflight_bytes=1 << 30, transfer_connections=1, fail_fast_s=0)
+    unbounded = make_dp(
+        own_redis.url, max_inflight_bytes=1 << 30, transfer_connections=1, fail_fast_s=0
+    )
     res = unbounded.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
     assert LoadStatus.ERROR in res
     bounded.close()
@@ -376,10 +388,14 @@ def test_password_auth(tmp_path: Path) -> None:
 def test_acl_user_limited_to_umbp_keys() -> None:
     with EmbeddedRedis() as srv:
         admin = redis.Redis(port=srv.port)
-        admin.execute_command("ACL", "SETUSER", "umbp", "on", ">acl-pw", "~umbp:*", "+@all", "-@dangerous")
+        admin.execute_command(
+            "ACL", "SETUSER", "umbp", "on", ">acl-pw", "~umbp:*", "+@all", "-@dangerous"
+        )
         d = make_dp(f"redis://umbp:acl-pw@127.0.0.1:{srv.port}/0")
         ok = keys_for(2)
-        assert d.store(list(zip(ok, payloads(2, 1000), strict=True)), FP) == [StoreStatus.STORED] * 2
+        assert (
+            d.store(list(zip(ok, payloads(2, 1000), strict=True)), FP) == [StoreStatus.STORED] * 2
+        )
         assert d.lookup(ok) == [True, True]
         dst = np.zeros(1000, dtype=np.uint8)
         assert d.load([(ok[0], memoryview(dst))], FP) == [LoadStatus.LOADED]
@@ -395,12 +411,53 @@ def _make_cert(tmp: Path) -> tuple[str, str, str]:
     ext = tmp / "ext.cnf"
     ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
-    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key),
-        "-out", str(ca), "-days", "2", "-subj", "/CN=umbp-test-ca")
-    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
-        "-subj", "/CN=localhost")
-    run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
-        "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    run(
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+        "-days",
+        "2",
+        "-subj",
+        "/CN=umbp-test-ca",
+    )
+    run(
+        "openssl",
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        "/CN=localhost",
+    )
+    run(
+        "openssl",
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-out",
+        str(cert),
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+    )
     return str(cert), str(key), str(ca)
 
 
@@ -412,7 +469,10 @@ def test_tls_connection(tmp_path: Path) -> None:
         keys = keys_for(3)
         assert d.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 3
         dst = np.zeros_like(src)
-        assert d.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP) == [LoadStatus.LOADED] * 3
+        assert (
+            d.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
+            == [LoadStatus.LOADED] * 3
+        )
         assert np.array_equal(src, dst)
         d.close()
         # Without the CA the certificate is not trusted: a miss, not a crash.

@@ -31,8 +31,20 @@ def redis_benchmark_gbps(settings: RedisSettings, size: int, requests: int) -> d
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return {"set": float("nan"), "get": float("nan")}
-    args = [exe, "-c", "4", "-P", "4", "-d", str(size), "-n", str(requests),
-            "-t", "set,get", "--csv"]
+    args = [
+        exe,
+        "-c",
+        "4",
+        "-P",
+        "4",
+        "-d",
+        str(size),
+        "-n",
+        str(requests),
+        "-t",
+        "set,get",
+        "--csv",
+    ]
     if settings.scheme == "unix":
         args += ["-s", settings.path or ""]
     else:
@@ -57,12 +69,20 @@ def redis_benchmark_gbps(settings: RedisSettings, size: int, requests: int) -> d
 def _redispy_client(settings: RedisSettings) -> Any:
     import redis
 
-    kw: dict[str, Any] = {"username": settings.username, "password": settings.password,
-                          "db": settings.db}
+    kw: dict[str, Any] = {
+        "username": settings.username,
+        "password": settings.password,
+        "db": settings.db,
+    }
     if settings.scheme == "unix":
         return redis.Redis(unix_socket_path=settings.path, **kw)
-    return redis.Redis(host=settings.host, port=settings.port, ssl=settings.tls,
-                       ssl_ca_certs=settings.tls_ca_cert, **kw)
+    return redis.Redis(
+        host=settings.host,
+        port=settings.port,
+        ssl=settings.tls,
+        ssl_ca_certs=settings.tls_ca_cert,
+        **kw,
+    )
 
 
 def redispy_gbps(settings: RedisSettings, size: int, count: int, repeats: int) -> dict[str, float]:
@@ -180,7 +200,9 @@ def _dataset_memory(r: Any) -> int:
     return int(info["used_memory"]) - int(info.get("mem_clients_normal", 0))
 
 
-def memory_overhead(dp: RedisDataPlane, settings: RedisSettings, size: int, count: int) -> dict[str, float]:
+def memory_overhead(
+    dp: RedisDataPlane, settings: RedisSettings, size: int, count: int
+) -> dict[str, float]:
     """``used_memory`` growth per stored byte: this format, and a plain SET of the payload."""
     r = _redispy_client(settings)
     staging = np.random.default_rng(3).integers(0, 256, (count, size), dtype=np.uint8)
@@ -236,15 +258,17 @@ def run_dataplane_bench(
         rp = redispy_gbps(settings, size, count, repeats)
         say(f"[bench] {size} B values: umbp-redis")
         um = umbp_gbps(dp, size, count, repeats)
-        results.append({
-            "value_bytes": size,
-            "redis_benchmark_set_gbps": rb["set"],
-            "redis_benchmark_get_gbps": rb["get"],
-            "redispy_set_gbps": rp["set"],
-            "redispy_get_gbps": rp["get"],
-            "umbp_store_gbps": um["store"],
-            "umbp_load_gbps": um["load"],
-        })
+        results.append(
+            {
+                "value_bytes": size,
+                "redis_benchmark_set_gbps": rb["set"],
+                "redis_benchmark_get_gbps": rb["get"],
+                "redispy_set_gbps": rp["set"],
+                "redispy_get_gbps": rp["get"],
+                "umbp_store_gbps": um["store"],
+                "umbp_load_gbps": um["load"],
+            }
+        )
     lookups = []
     for n in (1000, 8000):
         say(f"[bench] lookup of {n} keys")
@@ -257,14 +281,20 @@ def run_dataplane_bench(
         mem[str(size)] = m["umbp"]
         mem_plain[str(size)] = m["plain_set"]
     dp.close()
-    return {"results": results, "lookup": lookups, "memory_overhead": mem,
-            "memory_overhead_plain_set": mem_plain}
+    return {
+        "results": results,
+        "lookup": lookups,
+        "memory_overhead": mem,
+        "memory_overhead_plain_set": mem_plain,
+    }
 
 
 def format_table(result: dict[str, Any]) -> str:
     """The result as human-readable tables with ratios."""
-    lines = ["value size | redis-benchmark SET/GET GB/s | redis-py SET/GET GB/s | "
-             "umbp store/load GB/s | umbp/redis-benchmark | umbp/redis-py"]
+    lines = [
+        "value size | redis-benchmark SET/GET GB/s | redis-py SET/GET GB/s | "
+        "umbp store/load GB/s | umbp/redis-benchmark | umbp/redis-py"
+    ]
     for r in result["results"]:
         rb_s, rb_g = r["redis_benchmark_set_gbps"], r["redis_benchmark_get_gbps"]
         lines.append(
@@ -278,8 +308,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append("lookup keys | umbp p50 ms | redis-py pipeline p50 ms | sequential EXISTS p50 ms")
     for lk in result["lookup"]:
-        lines.append(f"{lk['keys']:>11} | {lk['umbp_ms_p50']:11.2f} | "
-                     f"{lk['redispy_pipeline_ms_p50']:24.2f} | {lk['sequential_exists_ms_p50']:10.2f}")
+        lines.append(
+            f"{lk['keys']:>11} | {lk['umbp_ms_p50']:11.2f} | "
+            f"{lk['redispy_pipeline_ms_p50']:24.2f} | {lk['sequential_exists_ms_p50']:10.2f}"
+        )
     lines.append("")
     lines.append("object size | used_memory / payload (umbp) | (plain SET)")
     for size, v in result["memory_overhead"].items():

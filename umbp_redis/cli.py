@@ -19,8 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"umbp-redis {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from umbp_redis import cli_bench
+    from umbp_redis import cli_bench, demo
 
+    demo.register(sub)
     cli_bench.register(sub)
     return parser
 

@@ -16,13 +16,18 @@ def register(sub: Any) -> None:
         "dataplane",
         help="store/load GB/s and lookup latency vs redis-benchmark and plain redis-py",
     )
-    dp.add_argument("--redis-url", default=None,
-                    help="server to measure (default: $UMBP_REDIS_URL, else a private server)")
+    dp.add_argument(
+        "--redis-url",
+        default=None,
+        help="server to measure (default: $UMBP_REDIS_URL, else a private server)",
+    )
     dp.add_argument("--json", action="store_true", help="print one JSON object")
-    dp.add_argument("--sizes", default="65536,524288,2097152",
-                    help="comma-separated value sizes in bytes")
-    dp.add_argument("--total-mib", type=int, default=256,
-                    help="payload MiB moved per measurement (default 256)")
+    dp.add_argument(
+        "--sizes", default="65536,524288,2097152", help="comma-separated value sizes in bytes"
+    )
+    dp.add_argument(
+        "--total-mib", type=int, default=256, help="payload MiB moved per measurement (default 256)"
+    )
     dp.add_argument("--repeats", type=int, default=3, help="runs per measurement; best is kept")
     dp.set_defaults(handler=_run_dataplane)
     p.set_defaults(handler=lambda a: (p.print_help(), 0)[1])
@@ -42,7 +47,10 @@ def _run_dataplane(args: argparse.Namespace) -> int:
         url = server.url
     try:
         result = run_dataplane_bench(
-            url, sizes=sizes, total_bytes=args.total_mib << 20, repeats=args.repeats,
+            url,
+            sizes=sizes,
+            total_bytes=args.total_mib << 20,
+            repeats=args.repeats,
             progress=None if args.json else sys.stderr,
         )
     finally:

@@ -32,38 +32,87 @@ class Option:
 MiB = 1 << 20
 
 OPTIONS: tuple[Option, ...] = (
-    Option("redis_url", str, "redis://localhost:6379/0",
-           "Server to use: redis://[user:password@]host:port/db, rediss://... (TLS) or "
-           "unix:///path/to/socket[?db=N]. Falls back to $UMBP_REDIS_URL when unset."),
+    Option(
+        "redis_url",
+        str,
+        "redis://localhost:6379/0",
+        "Server to use: redis://[user:password@]host:port/db, rediss://... (TLS) or "
+        "unix:///path/to/socket[?db=N]. Falls back to $UMBP_REDIS_URL when unset.",
+    ),
     Option("username", (str, type(None)), None, "ACL user name (overrides the URL's)."),
-    Option("password", (str, type(None)), None,
-           "Password (overrides the URL's; $UMBP_REDIS_PASSWORD is used when both are unset). "
-           "Never logged."),
-    Option("tls_ca_cert", (str, type(None)), None, "CA bundle that signs the server's certificate (rediss://)."),
+    Option(
+        "password",
+        (str, type(None)),
+        None,
+        "Password (overrides the URL's; $UMBP_REDIS_PASSWORD is used when both are unset). "
+        "Never logged.",
+    ),
+    Option(
+        "tls_ca_cert",
+        (str, type(None)),
+        None,
+        "CA bundle that signs the server's certificate (rediss://).",
+    ),
     Option("tls_cert", (str, type(None)), None, "Client certificate for mutual TLS."),
     Option("tls_key", (str, type(None)), None, "Private key of tls_cert."),
     Option("tls_check_hostname", bool, True, "Check that the server certificate names the host."),
-    Option("connect_timeout_s", (int, float), 1.0, "Timeout of one connection attempt.", minimum=0.001),
-    Option("op_timeout_s", (int, float), 5.0,
-           "Timeout of one store or load round trip on one connection.", minimum=0.001),
-    Option("lookup_timeout_s", (int, float), 0.25,
-           "Timeout of one prefix lookup; past it the blocks count as misses.", minimum=0.001),
+    Option(
+        "connect_timeout_s", (int, float), 1.0, "Timeout of one connection attempt.", minimum=0.001
+    ),
+    Option(
+        "op_timeout_s",
+        (int, float),
+        5.0,
+        "Timeout of one store or load round trip on one connection.",
+        minimum=0.001,
+    ),
+    Option(
+        "lookup_timeout_s",
+        (int, float),
+        0.25,
+        "Timeout of one prefix lookup; past it the blocks count as misses.",
+        minimum=0.001,
+    ),
     Option("max_connections", int, 8, "Connections the process keeps to Redis at most.", minimum=1),
-    Option("transfer_connections", int, 2,
-           "Connections one large store or load batch is spread over.", minimum=1),
-    Option("max_inflight_bytes", int, 4 * MiB,
-           "Bytes of values requested but not yet read, per connection (bounds Redis' "
-           "client output buffers).", minimum=1),
+    Option(
+        "transfer_connections",
+        int,
+        2,
+        "Connections one large store or load batch is spread over.",
+        minimum=1,
+    ),
+    Option(
+        "max_inflight_bytes",
+        int,
+        4 * MiB,
+        "Bytes of values requested but not yet read, per connection (bounds Redis' "
+        "client output buffers).",
+        minimum=1,
+    ),
     Option("ttl_seconds", int, 86400, "TTL of every stored object.", minimum=1),
-    Option("refresh_ttl_on_lookup", bool, True,
-           "A lookup hit re-arms the object's TTL (in the same round trip)."),
-    Option("checksum", bool, False,
-           "Store an xxh3-64 checksum of each payload and verify it on load."),
-    Option("fail_fast_s", (int, float), 1.0,
-           "After a connection failure, calls fail at once for this long instead of "
-           "piling up behind a dead server.", minimum=0.0),
-    Option("key_namespace", (str, type(None)), None,
-           "Explicit key namespace; when unset it is derived from the model and cache layout."),
+    Option(
+        "refresh_ttl_on_lookup",
+        bool,
+        True,
+        "A lookup hit re-arms the object's TTL (in the same round trip).",
+    ),
+    Option(
+        "checksum", bool, False, "Store an xxh3-64 checksum of each payload and verify it on load."
+    ),
+    Option(
+        "fail_fast_s",
+        (int, float),
+        1.0,
+        "After a connection failure, calls fail at once for this long instead of "
+        "piling up behind a dead server.",
+        minimum=0.0,
+    ),
+    Option(
+        "key_namespace",
+        (str, type(None)),
+        None,
+        "Explicit key namespace; when unset it is derived from the model and cache layout.",
+    ),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -73,15 +122,16 @@ def _type_name(t: type | tuple[type, ...]) -> str:
     return " or ".join("null" if x is type(None) else x.__name__ for x in ts)
 
 
-def validate_options(extra: Mapping[str, Any] | None, *, allowed: tuple[Option, ...] = OPTIONS) -> dict[str, Any]:
+def validate_options(
+    extra: Mapping[str, Any] | None, *, allowed: tuple[Option, ...] = OPTIONS
+) -> dict[str, Any]:
     """Every option with its value (given or default); raises ``ConfigError`` on a bad key."""
     extra = dict(extra or {})
     by_name = {o.name: o for o in allowed}
     unknown = sorted(set(extra) - set(by_name))
     if unknown:
         raise ConfigError(
-            f"unknown kv_connector_extra_config key(s) {unknown}; valid keys are "
-            f"{sorted(by_name)}"
+            f"unknown kv_connector_extra_config key(s) {unknown}; valid keys are {sorted(by_name)}"
         )
     out: dict[str, Any] = {}
     for opt in allowed:

@@ -65,7 +65,9 @@ class RedisConnection:
                 f"connecting to {s.redacted_url} timed out after {s.connect_timeout_s}s"
             ) from None
         except ssl.SSLError as e:
-            raise RedisUnavailableError(f"TLS handshake with {s.redacted_url} failed: {e}") from None
+            raise RedisUnavailableError(
+                f"TLS handshake with {s.redacted_url} failed: {e}"
+            ) from None
         except OSError as e:
             raise RedisUnavailableError(f"cannot connect to {s.redacted_url}: {e}") from None
         sock.settimeout(s.op_timeout_s)
@@ -127,8 +129,12 @@ class ConnectionPool:
             self._failed_at = time.monotonic()
             self.failures += 1
         if first:
-            log.warning("Redis at %s failed (%s); treating it as a miss for %.1fs",
-                        self.settings.redacted_url, exc, self.settings.fail_fast_s)
+            log.warning(
+                "Redis at %s failed (%s); treating it as a miss for %.1fs",
+                self.settings.redacted_url,
+                exc,
+                self.settings.fail_fast_s,
+            )
 
     def _check_window(self) -> None:
         failed_at = self._failed_at

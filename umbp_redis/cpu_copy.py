@@ -29,7 +29,7 @@ class CpuBlockCopier:
             base = storage.data_ptr()
             if base not in spans:
                 spans[base] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-                    storage, 0, (storage.nbytes(),)
+                    storage, 0, (storage.nbytes(),), (1,)
                 )
         self._starts = sorted(spans)
         self._flat = [spans[s] for s in self._starts]

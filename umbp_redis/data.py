@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
     class KVConnectorWorkerMetadata(ABC):  # type: ignore[no-redef]  # noqa: B024
         """Stand-in for vLLM's base class when vLLM is not installed."""
 
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
@@ -498,9 +499,7 @@ class KVLayoutDescriptor:
     @staticmethod
     def compute_fingerprint(group_id: int, regions: Sequence[KVRegion], object_size: int) -> bytes:
         """Digest of what decides where each stored byte goes (not of addresses)."""
-        desc = [
-            (r.layer_name, r.group_id, r.object_offset, r.length, r.segments) for r in regions
-        ]
+        desc = [(r.layer_name, r.group_id, r.object_offset, r.length, r.segments) for r in regions]
         blob = json.dumps([group_id, object_size, desc]).encode()
         return hashlib.blake2b(blob, digest_size=16).digest()
 
@@ -604,7 +603,9 @@ def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     )
 
 
-def _page_segments(tensor: torch.Tensor, num_blocks: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+def _page_segments(
+    tensor: torch.Tensor, num_blocks: int
+) -> tuple[int, tuple[tuple[int, int], ...]]:
     """Block stride and byte (offset, length) runs of one block's page, in memory order.
 
     The page of block ``b`` is every element whose block index is ``b`` (or, when a

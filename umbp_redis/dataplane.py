@@ -146,7 +146,10 @@ class RedisDataPlane:
     # -- lookup -----------------------------------------------------------------------
 
     def lookup(
-        self, keys: Sequence[str | bytes], *, refresh_ttl: bool | None = None,
+        self,
+        keys: Sequence[str | bytes],
+        *,
+        refresh_ttl: bool | None = None,
         timeout: float | None = None,
     ) -> list[bool] | None:
         """Presence of each key, in order, in one round trip; None when it is unknown.
@@ -159,8 +162,10 @@ class RedisDataPlane:
         refresh = self.settings.refresh_ttl_on_lookup if refresh_ttl is None else refresh_ttl
         ttl = self._ttl
         kb = [_key_bytes(k) for k in keys]
-        buf = b"".join(_expire_cmd(k, ttl) for k in kb) if refresh else b"".join(
-            _exists_cmd(k) for k in kb
+        buf = (
+            b"".join(_expire_cmd(k, ttl) for k in kb)
+            if refresh
+            else b"".join(_exists_cmd(k) for k in kb)
         )
         wait = self.settings.lookup_timeout_s if timeout is None else timeout
         try:
@@ -244,7 +249,9 @@ class RedisDataPlane:
         total = sum(v.nbytes for v in views)
         sub = [(_key_bytes(items[i][0]), views[j]) for j, i in enumerate(todo)]
         results = self._fan_out(
-            len(sub), total, lambda rng: self._store_range(sub, rng, fingerprint, ttl),
+            len(sub),
+            total,
+            lambda rng: self._store_range(sub, rng, fingerprint, ttl),
             StoreStatus.ERROR,
         )
         for i, st in zip(todo, results, strict=True):
@@ -306,8 +313,9 @@ class RedisDataPlane:
         pending_small = bytearray()
         for key, payload in group:
             field_h, body_len = encode_header(fingerprint, payload, with_checksum=with_checksum)
-            pending_small += b"*6\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n$1\r\nb\r\n%s" % (
-                len(key), key, bulk_prefix(len(field_h)), field_h, bulk_prefix(body_len)
+            pending_small += (
+                b"*6\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n$1\r\nb\r\n%s"
+                % (len(key), key, bulk_prefix(len(field_h)), field_h, bulk_prefix(body_len))
             )
             bufs.append(bytes(pending_small))
             bufs.append(payload[:body_len])
@@ -324,7 +332,9 @@ class RedisDataPlane:
             if isinstance(hset, ErrorReply):
                 if isinstance(hset.exc, RedisLoadingError):
                     loading = hset.exc
-                out.append(StoreStatus.OOM if isinstance(hset.exc, RedisOOMError) else StoreStatus.ERROR)
+                out.append(
+                    StoreStatus.OOM if isinstance(hset.exc, RedisOOMError) else StoreStatus.ERROR
+                )
             elif isinstance(expire, ErrorReply) or expire != 1:
                 out.append(StoreStatus.ERROR)
             else:
@@ -350,7 +360,9 @@ class RedisDataPlane:
         sub = [(_key_bytes(k), dests[i]) for i, (k, _) in enumerate(items)]
         total = sum(d.nbytes for d in dests)
         results = self._fan_out(
-            len(sub), total, lambda rng: self._load_range(sub, rng, fingerprint),
+            len(sub),
+            total,
+            lambda rng: self._load_range(sub, rng, fingerprint),
             LoadStatus.ERROR,
         )
         ok = [d.nbytes for d, s in zip(dests, results, strict=True) if s is LoadStatus.LOADED]
@@ -408,7 +420,9 @@ class RedisDataPlane:
             if blen < 0:
                 raise InvalidValue("body field missing")
             hdr = decode_header(field_h)
-            validate_header(hdr, fingerprint=fingerprint, payload_len=dest.nbytes, body_field_len=blen)
+            validate_header(
+                hdr, fingerprint=fingerprint, payload_len=dest.nbytes, body_field_len=blen
+            )
         except InvalidValue as e:
             log.debug("invalid value: %s", e)
             if blen >= 0:
@@ -433,7 +447,11 @@ class RedisDataPlane:
 
         try:
             with self.pool.connection() as conn:
-                send_buffers(conn.sock, [encode_command("UNLINK", *[_key_bytes(k) for k in keys])], use_sendmsg=False)
+                send_buffers(
+                    conn.sock,
+                    [encode_command("UNLINK", *[_key_bytes(k) for k in keys])],
+                    use_sendmsg=False,
+                )
                 reply: Any = conn.reader.read_reply()
         except RedisDataPlaneError:
             return 0

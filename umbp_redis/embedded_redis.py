@@ -88,19 +88,37 @@ class EmbeddedRedis:
         port_args = ["--port", str(self.port)]
         if self.tls_files:
             cert, key, ca = self.tls_files
-            port_args = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert,
-                         "--tls-key-file", key, "--tls-ca-cert-file", ca,
-                         "--tls-auth-clients", "no"]
+            port_args = [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                cert,
+                "--tls-key-file",
+                key,
+                "--tls-ca-cert-file",
+                ca,
+                "--tls-auth-clients",
+                "no",
+            ]
         args = [
             self.binary,
             *port_args,
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self._dir),
-            "--logfile", str(self.log_path),
-            "--protected-mode", "no",
-            "--enable-debug-command", "local",
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self._dir),
+            "--logfile",
+            str(self.log_path),
+            "--protected-mode",
+            "no",
+            "--enable-debug-command",
+            "local",
         ]
         if self.socket_path:
             args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]

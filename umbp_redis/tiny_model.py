@@ -89,16 +89,17 @@ def build_tiny_llama(directory: str | Path, spec: TinyModelSpec | None = None) -
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(dtype=torch.bfloat16)  # type: ignore[call-arg,arg-type]
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(wanted)
     return out
 
 
-def sample_prompts(count: int, words: int, seed: int = 0, shared_prefix_words: int = 0) -> list[str]:
+def sample_prompts(
+    count: int, words: int, seed: int = 0, shared_prefix_words: int = 0
+) -> list[str]:
     """Deterministic prompts of ``words`` words; the first ``shared_prefix_words`` are shared."""
     import random
 

@@ -119,7 +119,9 @@ def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
     return hdr
 
 
-def validate_header(hdr: ValueHeader, *, fingerprint: bytes, payload_len: int, body_field_len: int) -> None:
+def validate_header(
+    hdr: ValueHeader, *, fingerprint: bytes, payload_len: int, body_field_len: int
+) -> None:
     """Raise ``InvalidValue`` unless ``hdr`` describes an object of this layout and size."""
     if hdr.fingerprint != fingerprint:
         raise InvalidValue(

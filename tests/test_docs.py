@@ -1,0 +1,26 @@
+"""The docs name every option, and the README opens with the two commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from umbp_redis.config import OPTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_configuration_doc_lists_every_option_with_its_default() -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for opt in OPTIONS:
+        row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{opt.name}` |")), None)
+        assert row is not None, f"{opt.name} is not documented"
+        if opt.default is not None and opt.name != "max_inflight_bytes":
+            assert str(opt.default).lower() in row.lower(), (opt.name, row)
+
+
+def test_readme_opens_with_the_two_commands() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    commands = [ln for ln in lines[:30] if ln.startswith("./scripts/")]
+    assert commands[:2] == ["./scripts/demo", "./scripts/test"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "./scripts/test" in ci
