@@ -113,6 +113,38 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "Explicit key namespace; when unset it is derived from the model and cache layout.",
     ),
+    Option(
+        "enable_lookup",
+        bool,
+        True,
+        "Look prompts up in Redis and load hits; false makes the engine store-only.",
+    ),
+    Option(
+        "load_async",
+        bool,
+        True,
+        "Load hits off the forward pass (the request waits); false loads before the step.",
+    ),
+    Option(
+        "save_decode_cache",
+        bool,
+        False,
+        "Also store blocks completed by generated tokens, not only prompt blocks.",
+    ),
+    Option(
+        "max_staging_bytes",
+        int,
+        256 * MiB,
+        "Host staging memory per worker; stores that do not fit are dropped and counted.",
+        minimum=1,
+    ),
+    Option(
+        "shutdown_timeout_s",
+        (int, float),
+        5.0,
+        "How long shutdown waits for in-flight transfers.",
+        minimum=0.0,
+    ),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 

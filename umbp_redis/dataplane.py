@@ -346,7 +346,7 @@ class RedisDataPlane:
     # -- load -------------------------------------------------------------------------
 
     def load(
-        self, items: Sequence[tuple[str | bytes, memoryview]], fingerprint: bytes
+        self, items: Sequence[tuple[str | bytes, Buffer]], fingerprint: bytes
     ) -> list[LoadStatus]:
         """Read each key into its destination buffer; per-key status, in order.
 

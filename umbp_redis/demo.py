@@ -83,7 +83,9 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
         t.copy_(torch.randn(t.shape, dtype=torch.float32).to(t.dtype))
     cfg2, dst = _caches(num_blocks, layers)
     codec = BlockIdentityCodec("demo", RankTopology())
-    hashes = [torch.randint(0, 256, (32,), dtype=torch.uint8).numpy().tobytes() for _ in range(num_blocks)]
+    hashes = [
+        torch.randint(0, 256, (32,), dtype=torch.uint8).numpy().tobytes() for _ in range(num_blocks)
+    ]
     dp = RedisDataPlane(RedisSettings.from_url(url))
 
     planner = KVLayoutPlanner(cfg)

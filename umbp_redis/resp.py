@@ -20,7 +20,7 @@ from umbp_redis.errors import (
     classify_error_reply,
 )
 
-Buffer = bytes | bytearray | memoryview
+Buffer = Any  # any object with the buffer protocol (bytes, memoryview, numpy array)
 CRLF = b"\r\n"
 _READ_CHUNK = 256 * 1024
 

@@ -1,0 +1,94 @@
+"""Run one vLLM engine through a list of phases (a subprocess of the engine tests).
+
+Usage: ``python engine_runner.py SPEC.json``. The spec names the model, the connector
+config (or none), the prompts and the phases; the results go to ``spec["out"]``.
+Phases: ``generate`` (greedy), ``reset`` (drop vLLM's local prefix cache), ``corrupt``
+(flip a byte in every stored body), ``delete`` (remove every stored key),
+``shutdown_redis`` and ``start_redis`` (a private server on a given port).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(spec_path: str) -> None:
+    spec = json.load(open(spec_path))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gb", 1)))
+    if spec.get("tp", 1) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    import redis
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if spec.get("connector") is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    extra = spec.get("engine_args", {})
+    llm = LLM(
+        model=spec["model"],
+        max_model_len=spec.get("max_model_len", 2048),
+        dtype=spec.get("dtype", "bfloat16"),
+        enforce_eager=True,
+        tensor_parallel_size=spec.get("tp", 1),
+        seed=0,
+        **extra,
+        **kw,
+    )
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
+    results: dict[str, object] = {}
+    servers = []
+    for phase in spec["phases"]:
+        op = phase["op"]
+        if op == "generate":
+            t0 = time.perf_counter()
+            outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+            results[phase["name"]] = {
+                "seconds": time.perf_counter() - t0,
+                "outputs": [
+                    {
+                        "tokens": list(o.outputs[0].token_ids),
+                        "cached": o.num_cached_tokens,
+                        "prompt_tokens": len(o.prompt_token_ids),
+                    }
+                    for o in outs
+                ],
+            }
+            time.sleep(phase.get("settle_s", 1.0))  # async stores land
+        elif op == "reset":
+            llm.reset_prefix_cache()
+        elif op in ("corrupt", "delete"):
+            r = redis.Redis.from_url(phase["url"])
+            keys = list(r.scan_iter(match="umbp:vllm:v1:*", count=1000))
+            for k in keys:
+                if op == "delete":
+                    r.delete(k)
+                else:
+                    body = bytearray(r.hget(k, "b") or b"")
+                    body[len(body) // 2] ^= 0xFF
+                    r.hset(k, "b", bytes(body))
+            results[phase.get("name", op)] = len(keys)
+        elif op == "shutdown_redis":
+            try:
+                redis.Redis.from_url(phase["url"]).shutdown(nosave=True)
+            except redis.ConnectionError:
+                pass
+        elif op == "start_redis":
+            from umbp_redis.embedded_redis import EmbeddedRedis
+
+            servers.append(EmbeddedRedis(port=phase["port"]).start())
+            time.sleep(phase.get("wait_s", 1.5))  # past the fail-fast window
+        elif op == "count_keys":
+            r = redis.Redis.from_url(phase["url"])
+            results[phase["name"]] = len(list(r.scan_iter(match="umbp:vllm:v1:*", count=1000)))
+    json.dump(results, open(spec["out"], "w"))
+    del llm
+    for s in servers:
+        s.cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,185 @@
+"""UMBPRedisConnector in real vLLM engines (CPU, the tiny model) against real Redis.
+
+Each engine runs in its own process (``engine_runner.py``); engines are started few
+times and run several phases each.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from umbp_redis.data import parse_key
+from umbp_redis.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.tiny_model import sample_prompts
+
+pytestmark = pytest.mark.vllm
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+BLOCK = 128  # vLLM 0.32's CPU block size
+PROMPTS = sample_prompts(4, 420, seed=1, shared_prefix_words=300)
+
+
+def connector(url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "UMBPRedisConnector",
+        "kv_connector_module_path": "umbp_redis.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"redis_url": url, "fail_fast_s": 0.5, **extra},
+    }
+
+
+def run_engine(
+    tmp: Path, name: str, model: Path, conn: dict | None, phases: list, **spec: Any
+) -> dict:  # type: ignore[type-arg]
+    out = tmp / f"{name}.json"
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "connector": conn,
+                "prompts": PROMPTS,
+                "phases": phases,
+                "out": str(out),
+                **spec,
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(spec_path)], capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    return json.loads(out.read_text())
+
+
+def tokens(result: dict) -> list[list[int]]:  # type: ignore[type-arg]
+    return [o["tokens"] for o in result["outputs"]]
+
+
+def full_blocks(prompt_tokens: int) -> int:
+    return (prompt_tokens - 1) // BLOCK
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="module")
+def baseline(work: Path, tiny_model: Path) -> dict:  # type: ignore[type-arg]
+    """Greedy outputs of the same engine without the connector."""
+    return run_engine(work, "baseline", tiny_model, None, [{"op": "generate", "name": "g"}])["g"]
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    with EmbeddedRedis() as s:
+        yield s
+
+
+def test_cold_engine_stores_every_complete_prompt_block(
+    work: Path, tiny_model: Path, baseline: dict, server: EmbeddedRedis
+) -> None:  # type: ignore[type-arg]
+    res = run_engine(
+        work, "cold", tiny_model, connector(server.url), [{"op": "generate", "name": "g"}]
+    )
+    assert tokens(res["g"]) == tokens(baseline)
+    r = redis.Redis.from_url(server.url)
+    keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v1:*")]
+    # Prompts share their first 2 blocks, then each has one block of its own.
+    n_blocks = {full_blocks(o["prompt_tokens"]) for o in res["g"]["outputs"]}
+    assert n_blocks == {3}
+    assert len(keys) == 2 + len(PROMPTS)
+    namespaces = set()
+    for k in keys:
+        d = parse_key(k)
+        namespaces.add(d.namespace)
+        assert (d.tp_rank, d.pp_rank, d.group_id) == (0, 0, 0) and len(d.block_hash) == 32
+        assert 0 < r.ttl(k) <= 86400
+        assert r.hstrlen(k, "b") > 0
+    assert len(namespaces) == 1
+
+
+def test_engines_with_other_model_settings_never_share_objects(
+    work: Path, tiny_model: Path, server: EmbeddedRedis
+) -> None:
+    r = redis.Redis.from_url(server.url)
+    before = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
+    res = run_engine(
+        work,
+        "override",
+        tiny_model,
+        connector(server.url),
+        [{"op": "generate", "name": "g"}],
+        engine_args={"hf_overrides": {"rope_theta": 5000.0}},
+    )
+    # Nothing loaded from the first engines' objects: only local prefix-cache hits.
+    first = res["g"]["outputs"][0]
+    assert first["cached"] == 0
+    after = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
+    assert len(before) == 1 and before < after and len(after) == 2
+    for k in r.scan_iter(match=f"umbp:vllm:v1:{(after - before).pop()}:*"):
+        r.delete(k)
+
+
+def test_fresh_engine_loads_prefix_and_survives_bad_values_and_outages(
+    work: Path, tiny_model: Path, baseline: dict, server: EmbeddedRedis
+) -> None:  # type: ignore[type-arg]
+    url = server.url
+    phases = [
+        {"op": "generate", "name": "warm"},
+        {"op": "corrupt", "url": url, "name": "corrupted"},
+        {"op": "reset"},
+        {"op": "generate", "name": "after_corrupt"},
+        {"op": "count_keys", "url": url, "name": "keys_after_corrupt"},
+        {"op": "delete", "url": url, "name": "deleted"},
+        {"op": "reset"},
+        {"op": "generate", "name": "after_delete"},
+        {"op": "shutdown_redis", "url": url},
+        {"op": "reset"},
+        {"op": "generate", "name": "redis_down"},
+        {"op": "start_redis", "port": server.port},
+        {"op": "reset"},
+        {"op": "generate", "name": "redis_back"},
+        {"op": "count_keys", "url": url, "name": "keys_back"},
+    ]
+    res = run_engine(work, "warm", tiny_model, connector(url), phases)
+    expected = tokens(baseline)
+    for phase in ("warm", "after_corrupt", "after_delete", "redis_down", "redis_back"):
+        assert tokens(res[phase]) == expected, phase
+    # The warm engine hit every complete block but the last token's in Redis.
+    for o in res["warm"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    assert res["corrupted"] == 2 + len(PROMPTS)
+    # Damaged objects were recomputed and replaced with good ones.
+    assert res["keys_after_corrupt"] == 2 + len(PROMPTS)
+    # With Redis down only the local prefix cache (just reset) could hit.
+    assert all(o["cached"] <= 2 * BLOCK for o in res["redis_down"]["outputs"])
+    assert res["keys_back"] == 2 + len(PROMPTS)  # stores resumed once Redis was back
+    server.restart()  # the fixture owns the server again
+
+
+def test_unreachable_redis_at_startup(work: Path, tiny_model: Path, baseline: dict) -> None:  # type: ignore[type-arg]
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    phases = [
+        {"op": "generate", "name": "dead"},
+        {"op": "start_redis", "port": port},
+        {"op": "reset"},
+        {"op": "generate", "name": "alive"},
+        {"op": "count_keys", "url": url, "name": "keys"},
+    ]
+    res = run_engine(work, "dead", tiny_model, connector(url), phases)
+    assert tokens(res["dead"]) == tokens(baseline)
+    assert tokens(res["alive"]) == tokens(baseline)
+    assert res["keys"] == 2 + len(PROMPTS)

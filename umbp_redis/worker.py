@@ -1,0 +1,379 @@
+"""Worker half of the connector: planned gathers/scatters and Redis I/O off the forward pass.
+
+Stores: the step's store batches are gathered into staging slots right after the
+forward pass (a memory copy), their store events are reported at once so the scheduler
+can release the source blocks, and the Redis writes run on a transfer thread.
+Loads: each batch is read into staging slots and scattered into its destination blocks
+on a transfer thread; the request is reported finished when every block is terminal,
+and blocks that did not load are reported so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from umbp_redis.config import RedisSettings
+from umbp_redis.cpu_copy import CpuBlockCopier
+from umbp_redis.data import (
+    BlockIdentityCodec,
+    BlockLoadBatch,
+    BlockStoreBatch,
+    BlockTransferPlan,
+    KVLayoutPlanner,
+    RankTopology,
+    StoreEventResult,
+    UMBPConnectorMetadata,
+    UMBPConnectorWorkerMetadata,
+    UMBPHandshakeMetadata,
+    UMBPNamespace,
+    tp_replicated_group_ids,
+)
+from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus, shared_dataplane
+from umbp_redis.staging import StagingPool
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+def _live_ranks() -> tuple[int, int, int]:
+    """(tp, pp, pcp) rank of this worker, 0 where a group is not initialised."""
+    from vllm.distributed import parallel_state as ps
+
+    out = []
+    for getter in ("get_tp_group", "get_pp_group", "get_pcp_group"):
+        try:
+            out.append(int(getattr(ps, getter)().rank_in_group))
+        except Exception:
+            out.append(0)
+    return out[0], out[1], out[2]
+
+
+class WorkerStats:
+    """Counters the worker reports through ``KVConnectorStats`` (reset on each report)."""
+
+    FIELDS = (
+        "blocks_loaded",
+        "bytes_loaded",
+        "blocks_stored",
+        "bytes_stored",
+        "load_failures",
+        "store_failures",
+        "stores_dropped",
+        "load_ms_total",
+        "store_ms_total",
+        "loads",
+        "stores",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, float] = dict.fromkeys(self.FIELDS, 0)
+        self.totals: dict[str, float] = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **kw: float) -> None:
+        """Add to counters."""
+        with self._lock:
+            for k, v in kw.items():
+                self.values[k] += v
+                self.totals[k] += v
+
+    def take(self) -> dict[str, float]:
+        """Counters since the last call (and reset them)."""
+        with self._lock:
+            out, self.values = self.values, dict.fromkeys(self.FIELDS, 0)
+            return out
+
+
+class UMBPWorker:
+    """Transfers for one worker process."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        options: dict[str, Any],
+        *,
+        dataplane: RedisDataPlane | None = None,
+        ranks: tuple[int, int, int] | None = None,
+    ) -> None:
+        self.options = options
+        role = (
+            vllm_config.kv_transfer_config.kv_role if vllm_config.kv_transfer_config else "kv_both"
+        )
+        self.can_store = role in ("kv_producer", "kv_both")
+        tp, pp, pcp = ranks if ranks is not None else _live_ranks()
+        self.topology = RankTopology.from_vllm_config(
+            vllm_config, tp_rank=tp, pp_rank=pp, pcp_rank=pcp
+        )
+        self.namespace = UMBPNamespace.resolve(vllm_config, kv_cache_config)
+        self.codec = BlockIdentityCodec(
+            self.namespace.value,
+            self.topology,
+            tp_replicated_group_ids(kv_cache_config, self.topology),
+        )
+        self.planner = KVLayoutPlanner(kv_cache_config)
+        self.dp = dataplane or shared_dataplane(RedisSettings.from_options(options))
+        self.stats = WorkerStats()
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load")
+        self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store")
+        self._lock = threading.Lock()
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._store_reports: dict[int, StoreEventResult] = {}
+        self._cancelled: set[str] = set()
+        self._futures: set[Any] = set()
+        self.meta: UMBPConnectorMetadata | None = None
+        self._stores_submitted = False
+        self.bases: dict[str, int] = {}
+        self.copier: CpuBlockCopier | None = None
+        self.staging: StagingPool | None = None
+        log.info(
+            "umbp-redis worker %s: key namespace %s (%s)",
+            self.topology.rank_label(),
+            self.namespace.value,
+            "derived" if self.namespace.derived else "configured",
+        )
+
+    # -- setup ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Plan the object layout from the live tensors and allocate staging."""
+        self.bases = self.planner.register_kv_caches(kv_caches)
+        self.copier = CpuBlockCopier(kv_caches)
+        slot = max(lay.object_size for lay in self.planner.layouts.values())
+        pin = any(t.is_cuda for t in kv_caches.values())
+        self.staging = StagingPool(slot, int(self.options["max_staging_bytes"]), pin_memory=pin)
+        for gid, lay in self.planner.layouts.items():
+            log.info(
+                "umbp-redis: group %d object %d bytes, %d regions, layout %s",
+                gid,
+                lay.object_size,
+                len(lay.regions),
+                lay.fingerprint_hex,
+            )
+
+    def handshake_metadata(self) -> UMBPHandshakeMetadata:
+        """What the scheduler needs from this worker."""
+        return UMBPHandshakeMetadata(
+            namespace=self.namespace.value,
+            topology=self.topology,
+            layout_fingerprints={g: lay.fingerprint_hex for g, lay in self.planner.layouts.items()},
+            object_sizes={g: lay.object_size for g, lay in self.planner.layouts.items()},
+        )
+
+    # -- per step ---------------------------------------------------------------------
+
+    def bind(self, meta: UMBPConnectorMetadata) -> None:
+        """Take this step's metadata."""
+        self.meta = meta
+        self._stores_submitted = False
+        if meta.cancelled_requests:
+            with self._lock:
+                self._cancelled.update(meta.cancelled_requests)
+
+    def start_load_kv(self) -> None:
+        """Start (async) or run (sync) this step's loads."""
+        meta = self.meta
+        if meta is None or not meta.loads:
+            return
+        for batch in meta.loads:
+            with self._lock:
+                self._cancelled.discard(batch.request_id)
+            if meta.load_async:
+                self._track(self._loads.submit(self._run_load, batch, True))
+            else:
+                self._run_load(batch, False)
+
+    def wait_for_save(self) -> None:
+        """Submit this step's stores (once per step)."""
+        if self.meta is not None and not self._stores_submitted:
+            self._stores_submitted = True
+            self._submit_stores(self.meta.stores)
+
+    def clear(self) -> None:
+        """End of step: submit stores if no forward pass ran, drop the metadata."""
+        self.wait_for_save()
+        self.meta = None
+
+    def _track(self, fut: Any) -> None:
+        with self._lock:
+            self._futures.add(fut)
+        fut.add_done_callback(self._untrack)
+
+    def _untrack(self, fut: Any) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+        exc = fut.exception()
+        if exc is not None:
+            log.error("umbp-redis transfer failed unexpectedly: %r", exc)
+
+    def _plan(self, plan: BlockTransferPlan, request_id: str) -> BlockTransferPlan:
+        key = self.codec.key(plan.block_hash, plan.group_id)
+        return self.planner.plan_for_block(
+            key,
+            plan.block_id,
+            self.bases,
+            group_id=plan.group_id,
+            request_id=request_id,
+            block_hash=plan.block_hash,
+        )
+
+    # -- stores -----------------------------------------------------------------------
+
+    def _submit_stores(self, batches: list[BlockStoreBatch]) -> None:
+        if not batches or self.copier is None or self.staging is None:
+            for b in batches:
+                self._report_store(b.event_id, frozenset())
+            return
+        for batch in batches:
+            plans = [
+                self._plan(p, batch.request_id) for p in batch if self.codec.stores(p.group_id)
+            ]
+            if not plans or not self.can_store:
+                self._report_store(batch.event_id, frozenset())
+                continue
+            slots = self.staging.acquire(len(plans))
+            if slots is None:
+                self.stats.add(stores_dropped=len(plans))
+                log.debug("staging full: dropped %d block stores", len(plans))
+                self._report_store(batch.event_id, frozenset(p.key for p in plans))
+                continue
+            for plan, slot in zip(plans, slots, strict=True):
+                self.copier.gather(plan, self.staging.tensor(slot))
+            # The source blocks may be reused from now on: report the event.
+            self._report_store(batch.event_id, frozenset())
+            self._track(self._stores.submit(self._write, plans, slots))
+
+    def _report_store(self, event_id: int, failed: frozenset[str]) -> None:
+        with self._lock:
+            prev = self._store_reports.get(event_id)
+            res = StoreEventResult(event_id, 1, failed)
+            self._store_reports[event_id] = prev.merge(res) if prev else res
+
+    def _write(self, plans: list[BlockTransferPlan], slots: list[int]) -> None:
+        assert self.staging is not None
+        t0 = time.perf_counter()
+        try:
+            by_fp: dict[bytes, list[int]] = defaultdict(list)
+            for i, p in enumerate(plans):
+                by_fp[p.layout_fingerprint].append(i)
+            for fp, idx in by_fp.items():
+                items = [
+                    (plans[i].key, self.staging.array(slots[i])[: plans[i].object_size])
+                    for i in idx
+                ]
+                res = self.dp.store(items, fp)
+                ok = [
+                    plans[i].object_size
+                    for i, s in zip(idx, res, strict=True)
+                    if s is StoreStatus.STORED
+                ]
+                self.stats.add(
+                    blocks_stored=len(ok),
+                    bytes_stored=sum(ok),
+                    store_failures=sum(s in (StoreStatus.ERROR, StoreStatus.OOM) for s in res),
+                )
+        finally:
+            self.staging.release(slots)
+            self.stats.add(stores=1, store_ms_total=(time.perf_counter() - t0) * 1e3)
+
+    # -- loads ------------------------------------------------------------------------
+
+    def _run_load(self, batch: BlockLoadBatch, report: bool) -> None:
+        t0 = time.perf_counter()
+        failed: set[int] = set()
+        slots: list[int] | None = None
+        try:
+            plans = [self._plan(p, batch.request_id) for p in batch]
+            staging, copier = self.staging, self.copier
+            slots = staging.acquire(len(plans)) if staging else None
+            if slots is None or staging is None or copier is None:
+                failed = {p.block_id for p in plans}
+                return
+            statuses: list[LoadStatus] = [LoadStatus.ERROR] * len(plans)
+            by_fp: dict[bytes, list[int]] = defaultdict(list)
+            for i, p in enumerate(plans):
+                by_fp[p.layout_fingerprint].append(i)
+            for fp, idx in by_fp.items():
+                items = [
+                    (plans[i].key, staging.array(slots[i])[: plans[i].object_size]) for i in idx
+                ]
+                for i, s in zip(idx, self.dp.load(items, fp), strict=True):
+                    statuses[i] = s
+            with self._lock:
+                cancelled = batch.request_id in self._cancelled
+            if cancelled:
+                return
+            invalid = [
+                p.key for p, st in zip(plans, statuses, strict=True) if st is LoadStatus.INVALID
+            ]
+            if invalid:
+                # A damaged or foreign object would fail every engine until its TTL runs
+                # out; remove it so the next store replaces it.
+                log.warning("umbp-redis: %d invalid objects removed (recomputing)", len(invalid))
+                self.dp.delete(invalid)
+            nbytes = 0
+            for plan, slot, st in zip(plans, slots, statuses, strict=True):
+                if st is LoadStatus.LOADED:
+                    copier.scatter(plan, staging.tensor(slot))
+                    nbytes += plan.object_size
+                else:
+                    failed.add(plan.block_id)
+            self.stats.add(blocks_loaded=len(plans) - len(failed), bytes_loaded=nbytes)
+        except Exception as e:  # never let a transfer bug reach the engine: recompute instead
+            log.error("umbp-redis load of %s failed: %r", batch.request_id, e)
+            failed = set(batch.block_ids)
+        finally:
+            if slots is not None and self.staging is not None:
+                self.staging.release(slots)
+            self.stats.add(
+                loads=1, load_failures=len(failed), load_ms_total=(time.perf_counter() - t0) * 1e3
+            )
+            with self._lock:
+                self._load_errors |= failed
+                if report:
+                    self._finished_loads.add(batch.request_id)
+
+    # -- reports ----------------------------------------------------------------------
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose async loads are terminal since the last call."""
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Destination blocks that did not load since the last call."""
+        with self._lock:
+            errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def build_worker_meta(self) -> UMBPConnectorWorkerMetadata | None:
+        """This step's store-event reports."""
+        with self._lock:
+            reports, self._store_reports = self._store_reports, {}
+        return UMBPConnectorWorkerMetadata(reports) if reports else None
+
+    def idle(self) -> bool:
+        """No transfer in flight."""
+        with self._lock:
+            return not self._futures
+
+    def shutdown(self) -> None:
+        """Wait up to ``shutdown_timeout_s`` for in-flight transfers, then stop."""
+        with self._lock:
+            futs = list(self._futures)
+        if futs:
+            wait(futs, timeout=float(self.options["shutdown_timeout_s"]))
+        self._loads.shutdown(wait=False, cancel_futures=True)
+        self._stores.shutdown(wait=False, cancel_futures=True)
