@@ -45,7 +45,8 @@ def main(spec_path: str) -> None:
         op = phase["op"]
         if op == "generate":
             t0 = time.perf_counter()
-            outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+            prompts = phase.get("prompts", spec["prompts"])
+            outs = llm.generate(prompts, params, use_tqdm=False)
             results[phase["name"]] = {
                 "seconds": time.perf_counter() - t0,
                 "outputs": [
@@ -71,6 +72,12 @@ def main(spec_path: str) -> None:
                     body[len(body) // 2] ^= 0xFF
                     r.hset(k, "b", bytes(body))
             results[phase.get("name", op)] = len(keys)
+        elif op == "delete_pattern":
+            r = redis.Redis.from_url(phase["url"])
+            keys = list(r.scan_iter(match=phase["pattern"], count=1000))
+            if keys:
+                r.delete(*keys)
+            results[phase["name"]] = len(keys)
         elif op == "shutdown_redis":
             try:
                 redis.Redis.from_url(phase["url"]).shutdown(nosave=True)

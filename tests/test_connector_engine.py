@@ -183,3 +183,63 @@ def test_unreachable_redis_at_startup(work: Path, tiny_model: Path, baseline: di
     assert tokens(res["dead"]) == tokens(baseline)
     assert tokens(res["alive"]) == tokens(baseline)
     assert res["keys"] == 2 + len(PROMPTS)
+
+
+def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict) -> None:  # type: ignore[type-arg]
+    with EmbeddedRedis() as srv:
+        url = srv.url
+        phases = [
+            {"op": "generate", "name": "cold"},
+            {"op": "reset"},
+            {"op": "generate", "name": "warm"},
+            {"op": "delete_pattern", "url": url, "pattern": "umbp:vllm:v1:*:tp1:*", "name": "tp1"},
+            {"op": "reset"},
+            {"op": "generate", "name": "one_rank_missing"},
+        ]
+        res = run_engine(work, "tp2", tiny_model, connector(url), phases, tp=2)
+    for phase in ("cold", "warm", "one_rank_missing"):
+        assert tokens(res[phase]) == tokens(baseline), phase
+    for o in res["warm"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    assert res["tp1"] == 2 + len(PROMPTS)  # every block has a key per TP rank
+    # Without the tp1 shard no block is a Redis hit: only local prefix-cache hits remain.
+    assert all(o["cached"] <= 2 * BLOCK for o in res["one_rank_missing"]["outputs"])
+
+
+def test_preemption_under_a_small_kv_cache(work: Path, tiny_model: Path) -> None:
+    prompts = sample_prompts(6, 375, seed=4)
+    with EmbeddedRedis() as srv:
+        phases = [{"op": "generate", "name": "g", "prompts": prompts}]
+        plain = run_engine(
+            work,
+            "small_plain",
+            tiny_model,
+            None,
+            phases,
+            max_tokens=40,
+            max_model_len=1024,
+            engine_args={"num_gpu_blocks_override": 10},
+        )
+        phases = [
+            {"op": "generate", "name": "cold", "prompts": prompts},
+            {"op": "reset"},
+            {"op": "generate", "name": "warm", "prompts": prompts},
+        ]
+        res = run_engine(
+            work,
+            "small",
+            tiny_model,
+            connector(srv.url),
+            phases,
+            max_tokens=40,
+            max_model_len=1024,
+            engine_args={"num_gpu_blocks_override": 10},
+        )
+        log = (work / "small.log").read_text()
+    assert tokens(res["cold"]) == tokens(plain["g"])
+    assert tokens(res["warm"]) == tokens(plain["g"])
+    assert sum(o["cached"] for o in res["warm"]["outputs"]) > sum(
+        o["cached"] for o in res["cold"]["outputs"]
+    )
+    assert "Traceback" not in log
+    assert "requests preempted" in log  # the small cache did force preemptions

@@ -217,7 +217,13 @@ class UMBPScheduler:
         """This step's loads, stores and cancellations; resets the pending lists."""
         meta = UMBPConnectorMetadata(load_async=self.load_async)
         meta.loads, self.pending_loads = self.pending_loads, []
-        for rid in scheduler_output.preempted_req_ids or ():
+        preempted = scheduler_output.preempted_req_ids or set()
+        if preempted:
+            log.info(
+                "umbp-redis: %d requests preempted; their pending transfers are dropped",
+                len(preempted),
+            )
+        for rid in preempted:
             meta.cancelled_requests.append(rid)
             st = self.requests.get(rid)
             if st is not None:
