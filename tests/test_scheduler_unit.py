@@ -234,3 +234,35 @@ def test_plugin_registers_the_connector_name() -> None:
     from umbp_redis.connector import UMBPRedisConnector
 
     assert KVConnectorFactory._registry["UMBPRedisConnector"]() is UMBPRedisConnector
+
+
+def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
+    model_config: ModelConfig,
+) -> None:
+    import threading
+    import time
+
+    gate = threading.Event()
+
+    class SlowDataPlane(ScriptedDataPlane):
+        def lookup(self, keys):  # type: ignore[no-untyped-def]
+            gate.wait(5)
+            return super().lookup(keys)
+
+    dp = SlowDataPlane()
+    s = make_scheduler(model_config, dp, lookup_async=True)
+    req = request(3 * BS + 5)
+    assert s.codec is not None
+    dp.present = {s.codec.key(h, 0) for h in req.block_hashes}
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)  # still running
+    gate.set()
+    deadline = time.monotonic() + 5
+    while (res := s.get_num_new_matched_tokens(req, 0))[0] is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert res == (3 * BS, True)
+    assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)  # repeatable
+    # The request changed (a local prefix hit now): the old answer is not reused.
+    assert s.get_num_new_matched_tokens(req, BS) == (None, False)
+    assert len(dp.calls) == 1 or dp.calls[-1] == [s.codec.key(h, 0) for h in req.block_hashes[1:]]
+    s.shutdown()

@@ -120,6 +120,13 @@ OPTIONS: tuple[Option, ...] = (
         "Look prompts up in Redis and load hits; false makes the engine store-only.",
     ),
     Option(
+        "lookup_async",
+        bool,
+        False,
+        "Run lookups off the scheduler thread; the request is asked about again until the "
+        "answer is in.",
+    ),
+    Option(
         "load_async",
         bool,
         True,

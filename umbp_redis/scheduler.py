@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,11 @@ class UMBPScheduler:
         self.can_load = role in ("kv_consumer", "kv_both") and options["enable_lookup"]
         self.can_store = role in ("kv_producer", "kv_both")
         self.load_async = bool(options["load_async"])
+        self.lookup_async = bool(options["lookup_async"])
+        self._lookup_pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="umbp-lookup") if self.lookup_async else None
+        )
+        self._lookups: dict[str, tuple[tuple[Any, ...], Future[list[bool] | None]]] = {}
         self.save_decode = bool(options["save_decode_cache"])
         self.topology = RankTopology.from_vllm_config(vllm_config)
         self.groups = [
@@ -134,8 +140,13 @@ class UMBPScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """Block-aligned prefix tokens beyond ``num_computed_tokens`` present in Redis."""
+    ) -> tuple[int | None, bool]:
+        """Block-aligned prefix tokens beyond ``num_computed_tokens`` present in Redis.
+
+        With ``lookup_async`` the first call starts the lookup and returns None; a later
+        call with the same request state returns its answer (a changed request starts a
+        new lookup and the stale answer is discarded).
+        """
         st = self._state(request)
         st.local_tokens = num_computed_tokens
         if not self.can_load or self.codec is None:
@@ -157,7 +168,18 @@ class UMBPScheduler:
             block_keys = [k for g in self.groups for k in self.codec.rank_keys(h, g)]
             per_block = len(block_keys)
             keys.extend(block_keys)
-        present = self.dp.lookup(keys)
+        if self._lookup_pool is not None:
+            sig = (num_computed_tokens, len(hashes), hashes[-1])
+            entry = self._lookups.get(request.request_id)
+            if entry is None or entry[0] != sig:
+                fut = self._lookup_pool.submit(self.dp.lookup, keys)
+                self._lookups[request.request_id] = (sig, fut)
+                return None, False
+            if not entry[1].done():
+                return None, False
+            present = entry[1].result()
+        else:
+            present = self.dp.lookup(keys)
         if present is None:
             return 0, False
         hits = 0
@@ -335,6 +357,7 @@ class UMBPScheduler:
     def request_finished(self, request: Request) -> tuple[bool, None]:
         """Forget the request; never delays freeing its blocks."""
         self.requests.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         return False, None
 
     @property
@@ -349,7 +372,9 @@ class UMBPScheduler:
         return True
 
     def shutdown(self) -> None:
-        """Release every pinned block."""
+        """Release every pinned block and stop the lookup thread."""
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         for eid in list(self.pinned):
             self._release(eid)
         for rid in list(self.load_pins):

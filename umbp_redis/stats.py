@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 
 @dataclass
@@ -46,3 +49,50 @@ class UMBPConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         """No transfer in the interval."""
         return not any(self.data.values()) if self.data else True
+
+
+_PROM_COUNTERS = (
+    ("blocks_loaded", "KV blocks loaded from Redis."),
+    ("bytes_loaded", "Bytes of KV loaded from Redis."),
+    ("blocks_stored", "KV blocks stored in Redis."),
+    ("bytes_stored", "Bytes of KV stored in Redis."),
+    (
+        "load_failures",
+        "Blocks that failed to load (missing, invalid or error) and were recomputed.",
+    ),
+    ("store_failures", "Block stores Redis refused or that failed."),
+    ("stores_dropped", "Block stores dropped because staging memory was full."),
+)
+
+
+class UMBPPromMetrics(KVConnectorPromMetrics):
+    """``vllm:umbp_*`` Prometheus counters fed from ``UMBPConnectorStats`` data."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:umbp_{name}_total", documentation=doc, labelnames=labelnames
+            )
+            for name, doc in _PROM_COUNTERS
+        }
+        self._per_engine = {
+            idx: {n: c.labels(*values) for n, c in self._counters.items()}
+            for idx, values in per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's counters."""
+        metrics = self._per_engine.get(engine_idx)
+        if metrics is None:
+            return
+        for name, metric in metrics.items():
+            value = (transfer_stats_data or {}).get(name, 0)
+            if value:
+                metric.inc(value)  # type: ignore[union-attr]

@@ -1,0 +1,75 @@
+"""Regenerate docs/configuration.md from the option table in umbp_redis/config.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from umbp_redis.config import OPTIONS, _type_name
+
+HEAD = """# Configuration
+
+Every option goes in `kv_connector_extra_config` of `--kv-transfer-config`, for example
+
+```
+--kv-transfer-config '{"kv_connector":"UMBPRedisConnector","kv_role":"kv_both",
+  "kv_load_failure_policy":"recompute",
+  "kv_connector_extra_config":{"redis_url":"redis://redis:6379/0","ttl_seconds":86400}}'
+```
+
+(`kv_connector_module_path` is not needed once the package is installed: it registers the
+name through the `vllm.general_plugins` entry point.) Unknown keys and wrong types are
+errors at startup that name the key and list the valid ones (`umbp_redis/config.py` holds
+the table this page is generated from by `scripts/gen_config_doc.py` and checked against by
+`tests/test_docs.py`).
+
+`kv_role`: `kv_both` loads and stores, `kv_consumer` never stores, `kv_producer` never
+loads. Use `kv_load_failure_policy: recompute` so that a block that fails to load is
+recomputed instead of failing the request.
+
+| option | type | default | meaning |
+|---|---|---|---|
+"""
+
+TAIL = """
+## Environment
+
+| variable | meaning |
+|---|---|
+| `UMBP_REDIS_URL` | server URL when `redis_url` is not given (also read by the `umbp-redis` CLI) |
+| `UMBP_REDIS_PASSWORD` | password when neither the URL nor `password` gives one |
+| `UMBP_REDIS_SERVER` | path of the `redis-server` binary the tests and the demo start |
+
+## Tuning notes
+
+- `max_inflight_bytes` bounds the replies one connection has asked for but not read. Redis
+  buffers them in its client output buffer, which counts toward `maxmemory` and can get the
+  client disconnected by `client-output-buffer-limit`; small windows were also measured to be
+  faster here (the server's reply buffers stay warm). 4 MiB is one or two 2 MiB objects.
+- `transfer_connections` spreads one batch over connections; on a 2-core machine 2 is best.
+- `lookup_timeout_s` bounds the scheduler's wait per request: past it the blocks are misses.
+  `lookup_async` takes even that wait off the scheduler thread.
+- `fail_fast_s`: after a connection failure every call fails at once for this long, so a dead
+  server costs no timeouts per step; then the next call reconnects.
+- `max_staging_bytes` bounds host memory per worker; size it to at least a step's stores
+  (blocks per step x object size). Dropped stores are counted in the `stores_dropped` stat.
+"""
+
+
+def _default(o) -> str:  # type: ignore[no-untyped-def]
+    if o.default is None:
+        return "unset"
+    if isinstance(o.default, str):
+        return f'"{o.default}"'
+    if isinstance(o.default, int) and not isinstance(o.default, bool) and o.default >= 1 << 20:
+        return f"{o.default} ({o.default >> 20} MiB)"
+    return repr(o.default)
+
+
+def main() -> None:
+    rows = [f"| `{o.name}` | {_type_name(o.type)} | {_default(o)} | {o.doc} |" for o in OPTIONS]
+    out = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    out.write_text(HEAD + "\n".join(rows) + "\n" + TAIL)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Connector stats (vLLM's periodic log) and the vllm:umbp_* Prometheus counters."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from umbp_redis.connector import UMBPRedisConnector
+from umbp_redis.stats import UMBPConnectorStats
+from umbp_redis.worker import WorkerStats
+
+
+def test_stats_aggregate_and_reduce() -> None:
+    ws = WorkerStats()
+    ws.add(blocks_loaded=3, bytes_loaded=3_000_000, loads=2, load_ms_total=10.0)
+    a = UMBPConnectorStats(data=ws.take())
+    assert ws.take()["blocks_loaded"] == 0  # reset on report
+    b = UMBPRedisConnector.build_kv_connector_stats({"blocks_loaded": 2, "stores_dropped": 1})
+    a.aggregate(b)
+    red = a.reduce()
+    assert red["blocks_loaded"] == 5 and red["stores_dropped"] == 1
+    assert red["MB_loaded"] == 3.0 and red["avg_load_ms"] == 5.0
+    assert not a.is_empty() and UMBPConnectorStats(data={}).is_empty()
+
+
+def test_prometheus_counters() -> None:
+    reg = CollectorRegistry()
+    types = {
+        Counter: functools.partial(Counter, registry=reg),
+        Gauge: functools.partial(Gauge, registry=reg),
+        Histogram: functools.partial(Histogram, registry=reg),
+    }
+    cfg = SimpleNamespace(kv_transfer_config=None)
+    prom = UMBPRedisConnector.build_prom_metrics(cfg, types, ["engine"], {0: ["0"]})
+    prom.observe({"blocks_stored": 4, "bytes_stored": 4096, "stores_dropped": 1}, 0)
+    prom.observe({"blocks_stored": 1}, 0)
+    assert reg.get_sample_value("vllm:umbp_blocks_stored_total", {"engine": "0"}) == 5
+    assert reg.get_sample_value("vllm:umbp_bytes_stored_total", {"engine": "0"}) == 4096
+    assert reg.get_sample_value("vllm:umbp_stores_dropped_total", {"engine": "0"}) == 1
