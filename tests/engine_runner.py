@@ -15,6 +15,28 @@ import sys
 import time
 
 
+def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Pinned blocks and staging slots in use, read from the in-process engine.
+
+    Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core in this process) and one worker.
+    """
+    import time
+
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler.connector._scheduler
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()._worker
+    deadline = time.time() + 10
+    while not worker.idle() and time.time() < deadline:
+        time.sleep(0.05)
+    return {
+        "pinned_blocks": sched.pinned_blocks,
+        "staging_in_use": worker.staging.num_slots - worker.staging.free_slots,
+        "tracked_requests": len(sched.requests),
+    }
+
+
 def main(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gb", 1)))
@@ -88,6 +110,8 @@ def main(spec_path: str) -> None:
 
             servers.append(EmbeddedRedis(port=phase["port"]).start())
             time.sleep(phase.get("wait_s", 1.5))  # past the fail-fast window
+        elif op == "leak_check":
+            results[phase["name"]] = _leak_check(llm)
         elif op == "count_keys":
             r = redis.Redis.from_url(phase["url"])
             results[phase["name"]] = len(list(r.scan_iter(match="umbp:vllm:v1:*", count=1000)))

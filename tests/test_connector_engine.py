@@ -7,6 +7,7 @@ times and run several phases each.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,13 @@ def connector(url: str, *, module_path: bool = True, **extra: Any) -> dict[str, 
 
 
 def run_engine(
-    tmp: Path, name: str, model: Path, conn: dict | None, phases: list, **spec: Any
+    tmp: Path,
+    name: str,
+    model: Path,
+    conn: dict | None,
+    phases: list,
+    env: dict | None = None,
+    **spec: Any,
 ) -> dict:  # type: ignore[type-arg]
     out = tmp / f"{name}.json"
     spec_path = tmp / f"{name}.spec.json"
@@ -53,8 +60,13 @@ def run_engine(
             }
         )
     )
+
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_path)], capture_output=True, text=True, timeout=600
+        [sys.executable, str(RUNNER), str(spec_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
     )
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -225,6 +237,7 @@ def test_preemption_under_a_small_kv_cache(work: Path, tiny_model: Path) -> None
             {"op": "generate", "name": "cold", "prompts": prompts},
             {"op": "reset"},
             {"op": "generate", "name": "warm", "prompts": prompts},
+            {"op": "leak_check", "name": "leak"},
         ]
         res = run_engine(
             work,
@@ -232,6 +245,7 @@ def test_preemption_under_a_small_kv_cache(work: Path, tiny_model: Path) -> None
             tiny_model,
             connector(srv.url),
             phases,
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
             max_tokens=40,
             max_model_len=1024,
             engine_args={"num_gpu_blocks_override": 10},
@@ -244,3 +258,5 @@ def test_preemption_under_a_small_kv_cache(work: Path, tiny_model: Path) -> None
     )
     assert "Traceback" not in log
     assert "requests preempted" in log  # the small cache did force preemptions
+    # Nothing stays pinned, no staging slot stays taken, no request state lingers.
+    assert res["leak"] == {"pinned_blocks": 0, "staging_in_use": 0, "tracked_requests": 0}
