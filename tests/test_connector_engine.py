@@ -165,7 +165,17 @@ def test_fresh_engine_loads_prefix_and_survives_bad_values_and_outages(
         {"op": "generate", "name": "redis_back"},
         {"op": "count_keys", "url": url, "name": "keys_back"},
     ]
-    res = run_engine(work, "warm", tiny_model, connector(url), phases)
+    res = run_engine(
+        work,
+        "warm",
+        tiny_model,
+        connector(url),
+        phases,
+        env={"VLLM_LOG_STATS_INTERVAL": "0.5"},
+        engine_args={"disable_log_stats": False},
+    )
+    # The connector's counters appear in vLLM's periodic log.
+    assert "KV Transfer metrics: blocks_loaded=" in (work / "warm.log").read_text()
     expected = tokens(baseline)
     for phase in ("warm", "after_corrupt", "after_delete", "redis_down", "redis_back"):
         assert tokens(res[phase]) == expected, phase
