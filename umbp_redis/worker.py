@@ -58,6 +58,14 @@ def _live_ranks() -> tuple[int, int, int]:
     return out[0], out[1], out[2]
 
 
+def _by_fingerprint(plans: list[BlockTransferPlan]) -> dict[bytes, list[int]]:
+    """Plan indices grouped by object layout (one data-plane call per layout)."""
+    groups: dict[bytes, list[int]] = defaultdict(list)
+    for i, p in enumerate(plans):
+        groups[p.layout_fingerprint].append(i)
+    return groups
+
+
 class WorkerStats:
     """Counters the worker reports through ``KVConnectorStats`` (reset on each report)."""
 
@@ -264,10 +272,7 @@ class UMBPWorker:
         assert self.staging is not None
         t0 = time.perf_counter()
         try:
-            by_fp: dict[bytes, list[int]] = defaultdict(list)
-            for i, p in enumerate(plans):
-                by_fp[p.layout_fingerprint].append(i)
-            for fp, idx in by_fp.items():
+            for fp, idx in _by_fingerprint(plans).items():
                 items = [
                     (plans[i].key, self.staging.array(slots[i])[: plans[i].object_size])
                     for i in idx
@@ -301,10 +306,7 @@ class UMBPWorker:
                 failed = {p.block_id for p in plans}
                 return
             statuses: list[LoadStatus] = [LoadStatus.ERROR] * len(plans)
-            by_fp: dict[bytes, list[int]] = defaultdict(list)
-            for i, p in enumerate(plans):
-                by_fp[p.layout_fingerprint].append(i)
-            for fp, idx in by_fp.items():
+            for fp, idx in _by_fingerprint(plans).items():
                 items = [
                     (plans[i].key, staging.array(slots[i])[: plans[i].object_size]) for i in idx
                 ]
