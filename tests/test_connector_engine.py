@@ -120,6 +120,25 @@ def test_cold_engine_stores_every_complete_prompt_block(
         assert 0 < r.ttl(k) <= 86400
         assert r.hstrlen(k, "b") > 0
     assert len(namespaces) == 1
+    # The operator CLI reads what a real engine stored.
+    cli = [sys.executable, "-m", "umbp_redis.cli"]
+    ls = json.loads(
+        subprocess.run(
+            [*cli, "ls", "--redis-url", server.url, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    )
+    assert ls["namespaces"] == {namespaces.pop(): len(keys)}
+    assert {k["value_bytes"] for k in ls["keys"]} == {2 * 65536}  # 2 layers x 64 KiB pages
+    info = subprocess.run(
+        [*cli, "inspect", keys[0], "--redis-url", server.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert info.returncode == 0 and json.loads(info.stdout)["valid"] is True
 
 
 def test_engines_with_other_model_settings_never_share_objects(

@@ -19,8 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"umbp-redis {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from umbp_redis import cli_bench, demo
+    from umbp_redis import cli_admin, cli_bench, demo
 
+    cli_admin.register(sub)
     demo.register(sub)
     cli_bench.register(sub)
     return parser

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, overload
@@ -38,18 +37,18 @@ except ImportError:  # pragma: no cover - exercised only where vLLM is absent
         """Stand-in for vLLM's base class when vLLM is not installed."""
 
 
+from umbp_redis.keys import (
+    _NAMESPACE_RE,
+    KEY_PREFIX,
+    DecodedKey,
+    namespace_pattern,
+    parse_key,
+)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
-KEY_PREFIX = "umbp:vllm:v1"
-"""First fields of every key this project writes; the ``v1`` is the key-schema version."""
-
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_KEY_RE = re.compile(
-    r"^umbp:vllm:v1:(?P<ns>[A-Za-z0-9_.\-]{1,64}):tp(?P<tp>\d+|\*):pcp(?P<pcp>\d+)"
-    r":dcp(?P<dcp>\d+):pp(?P<pp>\d+):g(?P<group>\d+):(?P<hash>[0-9a-f]+)$"
-)
 CONNECTOR_NAME = "UMBPRedisConnector"
 
 
@@ -351,41 +350,6 @@ class UMBPNamespace:
 # ---------------------------------------------------------------------------
 # Keys
 # ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DecodedKey:
-    """The fields of one key; ``tp_rank`` is None for a TP-agnostic (``tp*``) key."""
-
-    namespace: str
-    tp_rank: int | None
-    pcp_rank: int
-    dcp_rank: int
-    pp_rank: int
-    group_id: int
-    block_hash: bytes
-
-
-def parse_key(key: str | bytes) -> DecodedKey:
-    """Decode a key of the schema; raises ValueError for anything else."""
-    text = key.decode() if isinstance(key, bytes) else key
-    m = _KEY_RE.match(text)
-    if m is None or len(m["hash"]) % 2:
-        raise ValueError(f"not an umbp-redis key: {text!r}")
-    return DecodedKey(
-        namespace=m["ns"],
-        tp_rank=None if m["tp"] == "*" else int(m["tp"]),
-        pcp_rank=int(m["pcp"]),
-        dcp_rank=int(m["dcp"]),
-        pp_rank=int(m["pp"]),
-        group_id=int(m["group"]),
-        block_hash=bytes.fromhex(m["hash"]),
-    )
-
-
-def namespace_pattern(namespace: str | None = None) -> str:
-    """A SCAN ``MATCH`` pattern for every key of ``namespace`` (or of every namespace)."""
-    return f"{KEY_PREFIX}:{namespace or '*'}:*"
 
 
 @dataclass(frozen=True)

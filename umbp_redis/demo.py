@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from umbp_redis.config import RedisSettings
-from umbp_redis.cpu_copy import CpuBlockCopier
-from umbp_redis.data import BlockIdentityCodec, KVLayoutPlanner, RankTopology
-from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
+if TYPE_CHECKING:
+    import torch
 
 
 def register(sub: Any) -> None:
@@ -31,6 +27,7 @@ def register(sub: Any) -> None:
 
 
 def _caches(num_blocks: int, layers: list[str]) -> tuple[Any, dict[str, torch.Tensor]]:
+    import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -77,6 +74,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(url: str, num_blocks: int, num_layers: int) -> int:
+    import torch
+
+    from umbp_redis.config import RedisSettings
+    from umbp_redis.cpu_copy import CpuBlockCopier
+    from umbp_redis.data import BlockIdentityCodec, KVLayoutPlanner, RankTopology
+    from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
+
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     cfg, src = _caches(num_blocks, layers)
     for t in src.values():

@@ -1,0 +1,136 @@
+"""The umbp-redis CLI verbs against real redis-server processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import redis
+
+from umbp_redis.config import RedisSettings
+from umbp_redis.dataplane import RedisDataPlane
+from umbp_redis.embedded_redis import EmbeddedRedis, free_port
+
+FP = b"\x11" * 16
+
+
+def cli(*args: str, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "umbp_redis.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=input_text,
+    )
+
+
+def fill(url: str, ns: str, n: int, size: int = 4096, checksum: bool = True) -> list[str]:
+    dp = RedisDataPlane(RedisSettings.from_url(url, checksum=checksum))
+    keys = [f"umbp:vllm:v1:{ns}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(n)]
+    data = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
+    dp.store(list(zip(keys, data, strict=True)), FP)
+    dp.close()
+    return keys
+
+
+def test_version_and_help() -> None:
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("umbp-redis ")
+    out = cli("--help")
+    for verb in ("ls", "inspect", "stats", "purge", "doctor", "demo", "bench"):
+        assert verb in out.stdout
+
+
+def test_ls_lists_namespaces_and_decoded_keys(redis_url: str) -> None:
+    fill(redis_url, "nsa", 5)
+    fill(redis_url, "nsb", 3)
+    out = cli("ls", "--redis-url", redis_url, "--json", "--limit", "4")
+    data = json.loads(out.stdout)
+    assert data["namespaces"] == {"nsa": 5, "nsb": 3}
+    assert len(data["keys"]) == 4
+    k = data["keys"][0]
+    assert k["rank"] == "tp0:pcp0:dcp0:pp0" and k["group"] == 0 and k["value_bytes"] == 4096
+    assert 0 < k["ttl_s"] <= 86400
+    human = cli("ls", "--redis-url", redis_url, "--namespace", "nsb")
+    assert "namespace nsb: 3 keys" in human.stdout and "nsa" not in human.stdout
+
+
+def test_inspect_valid_and_invalid(redis_url: str) -> None:
+    keys = fill(redis_url, "nsi", 2)
+    out = cli("inspect", keys[0], "--redis-url", redis_url, "--json")
+    info = json.loads(out.stdout)
+    assert out.returncode == 0 and info["valid"] and info["checksum"] == "ok"
+    assert info["format_version"] == 1 and info["payload_len"] == 4096
+    assert info["layout_fingerprint"] == FP.hex()
+    r = redis.Redis.from_url(redis_url)
+    h = r.hget(keys[1], "h") or b""
+    r.hset(keys[1], "h", b"XXXX" + h[4:])
+    bad = cli("inspect", keys[1], "--redis-url", redis_url, "--json")
+    assert bad.returncode == 1 and json.loads(bad.stdout)["valid"] is False
+    assert "magic" in json.loads(bad.stdout)["error"]
+    missing = cli("inspect", "umbp:vllm:v1:x:tp0:pcp0:dcp0:pp0:g0:00", "--redis-url", redis_url)
+    assert missing.returncode == 1
+
+
+def test_stats(redis_url: str) -> None:
+    fill(redis_url, "nss", 4, size=8192)
+    out = cli("stats", "--redis-url", redis_url, "--json")
+    data = json.loads(out.stdout)
+    assert data["namespaces"]["nss"]["keys"] == 4
+    assert data["namespaces"]["nss"]["bytes"] == 4 * 8192
+    assert data["namespaces"]["nss"]["ttl_max_s"] <= 86400
+    for field in ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys", "hit_rate"):
+        assert field in data["server"]
+
+
+def test_purge_leaves_other_namespaces(redis_url: str) -> None:
+    fill(redis_url, "gone", 1200)
+    fill(redis_url, "kept", 7)
+    r = redis.Redis.from_url(redis_url)
+    r.set("unrelated", b"x")
+    refused = cli("purge", "--namespace", "gone", "--redis-url", redis_url, input_text="")
+    assert refused.returncode != 0 and r.exists(f"umbp:vllm:v1:gone:tp0:pcp0:dcp0:pp0:g0:{0:064x}")
+    out = cli("purge", "--namespace", "gone", "--yes", "--redis-url", redis_url, "--json")
+    assert json.loads(out.stdout)["deleted"] == 1200
+    assert len(list(r.scan_iter(match="umbp:vllm:v1:gone:*"))) == 0
+    assert len(list(r.scan_iter(match="umbp:vllm:v1:kept:*"))) == 7
+    assert r.exists("unrelated")
+
+
+def test_doctor_fails_on_unreachable_server() -> None:
+    out = cli("doctor", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--json")
+    assert out.returncode == 2
+    data = json.loads(out.stdout)
+    assert not data["ok"] and data["checks"][0]["level"] == "fail"
+
+
+def test_doctor_warns_on_noeviction_and_passes_a_cache() -> None:
+    with EmbeddedRedis(["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"]) as srv:
+        out = cli("doctor", "--redis-url", srv.url, "--json")
+        data = json.loads(out.stdout)
+        assert out.returncode == 0
+        levels = {c["check"]: c["level"] for c in data["checks"]}
+        assert levels["eviction"] == "warn" and levels["maxmemory"] == "ok"
+        assert levels["persistence"] == "ok"
+        redis.Redis.from_url(srv.url).config_set("maxmemory-policy", "allkeys-lru")
+        data = json.loads(cli("doctor", "--redis-url", srv.url, "--json").stdout)
+        assert {c["check"]: c["level"] for c in data["checks"]}["eviction"] == "ok"
+
+
+@pytest.mark.parametrize("verb", ["ls", "stats"])
+def test_url_from_environment(redis_url: str, verb: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill(redis_url, "envns", 1)
+    import os
+
+    env = {**os.environ, "UMBP_REDIS_URL": redis_url}
+    out = subprocess.run(
+        [sys.executable, "-m", "umbp_redis.cli", verb, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert "envns" in out.stdout

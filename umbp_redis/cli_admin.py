@@ -1,0 +1,389 @@
+"""Operator verbs of ``umbp-redis``: ls, inspect, stats, purge, doctor.
+
+They use redis-py (one client, SCAN only, never KEYS). Every verb takes
+``--redis-url`` (default ``$UMBP_REDIS_URL``, else ``redis://localhost:6379/0``) and
+``--json``; human tables are the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from umbp_redis.keys import namespace_pattern, parse_key
+from umbp_redis.value_format import (
+    HEADER_SIZE,
+    InvalidValue,
+    checksum,
+    decode_header,
+)
+
+DEFAULT_URL = "redis://localhost:6379/0"
+_PROGRESS_EVERY = 10_000
+
+
+def register(sub: Any) -> None:
+    """Add the operator verbs to the CLI."""
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--redis-url",
+            default=None,
+            help=f"server (default: $UMBP_REDIS_URL, else {DEFAULT_URL})",
+        )
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("ls", help="list namespaces and keys with their decoded fields")
+    common(p)
+    p.add_argument("--namespace", default=None, help="only this namespace")
+    p.add_argument("--limit", type=int, default=50, help="keys to list (default 50)")
+    p.set_defaults(handler=cmd_ls)
+
+    p = sub.add_parser("inspect", help="decode and validate one stored value")
+    common(p)
+    p.add_argument("key")
+    p.set_defaults(handler=cmd_inspect)
+
+    p = sub.add_parser("stats", help="per-namespace and server cache statistics")
+    common(p)
+    p.add_argument("--namespace", default=None, help="only this namespace")
+    p.set_defaults(handler=cmd_stats)
+
+    p = sub.add_parser("purge", help="delete one namespace's keys (UNLINK in batches)")
+    common(p)
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(handler=cmd_purge)
+
+    p = sub.add_parser("doctor", help="check that the server can serve as a cache")
+    common(p)
+    p.set_defaults(handler=cmd_doctor)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    import redis
+
+    url = args.redis_url or os.environ.get("UMBP_REDIS_URL") or DEFAULT_URL
+    return redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10)
+
+
+def _scan(r: Any, namespace: str | None) -> Iterator[bytes]:
+    n = 0
+    for key in r.scan_iter(match=namespace_pattern(namespace), count=1000):
+        n += 1
+        if n % _PROGRESS_EVERY == 0:
+            print(f"... scanned {n} keys", file=sys.stderr, flush=True)
+        yield key
+
+
+def _emit(
+    args: argparse.Namespace,
+    obj: Any,
+    table: list[list[str]] | None = None,
+    header: list[str] | None = None,
+    text: str | None = None,
+) -> None:
+    if args.json:
+        print(json.dumps(obj, indent=2, default=str))
+        return
+    if text:
+        print(text)
+    if table is not None and header is not None:
+        rows = [header] + table
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+        for r in rows:
+            print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def _rank_label(tp: int | None, pcp: int, dcp: int, pp: int) -> str:
+    return f"tp{'*' if tp is None else tp}:pcp{pcp}:dcp{dcp}:pp{pp}"
+
+
+def _key_info(r: Any, keys: list[bytes]) -> list[dict[str, Any]]:
+    p = r.pipeline(transaction=False)
+    for k in keys:
+        p.hstrlen(k, "b")
+        p.hstrlen(k, "h")
+        p.ttl(k)
+    replies = p.execute(raise_on_error=False)
+    out = []
+    for i, k in enumerate(keys):
+        b, h, ttl = replies[3 * i : 3 * i + 3]
+        try:
+            d = parse_key(k)
+        except ValueError:
+            continue
+        size = (b + h - HEADER_SIZE) if isinstance(b, int) and isinstance(h, int) and h else None
+        out.append(
+            {
+                "key": k.decode(),
+                "namespace": d.namespace,
+                "rank": _rank_label(d.tp_rank, d.pcp_rank, d.dcp_rank, d.pp_rank),
+                "group": d.group_id,
+                "block_hash": d.block_hash.hex(),
+                "value_bytes": size,
+                "ttl_s": ttl if isinstance(ttl, int) else None,
+            }
+        )
+    return out
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``ls``: namespaces with key counts, then up to ``--limit`` keys."""
+    r = _client(args)
+    counts: dict[str, int] = defaultdict(int)
+    sample: list[bytes] = []
+    for key in _scan(r, args.namespace):
+        try:
+            counts[parse_key(key).namespace] += 1
+        except ValueError:
+            continue
+        if len(sample) < args.limit:
+            sample.append(key)
+    keys = _key_info(r, sample)
+    _emit(
+        args,
+        {"namespaces": dict(counts), "keys": keys},
+        text="\n".join(f"namespace {ns}: {n} keys" for ns, n in sorted(counts.items()))
+        or "no umbp-redis keys",
+    )
+    if not args.json and keys:
+        print()
+        _emit(
+            args,
+            None,
+            [
+                [
+                    k["namespace"],
+                    k["rank"],
+                    str(k["group"]),
+                    k["block_hash"][:16] + "...",
+                    str(k["value_bytes"]),
+                    str(k["ttl_s"]),
+                ]
+                for k in keys
+            ],
+            ["namespace", "rank", "group", "block hash", "value bytes", "ttl s"],
+        )
+    return 0
+
+
+def inspect_value(r: Any, key: str) -> dict[str, Any]:
+    """Decode and validate the value under ``key`` (used by ``inspect``)."""
+    info: dict[str, Any] = {"key": key}
+    try:
+        d = parse_key(key)
+        info["decoded_key"] = {
+            "namespace": d.namespace,
+            "tp": d.tp_rank,
+            "pcp": d.pcp_rank,
+            "dcp": d.dcp_rank,
+            "pp": d.pp_rank,
+            "group": d.group_id,
+            "block_hash": d.block_hash.hex(),
+        }
+    except ValueError as e:
+        info["decoded_key"] = None
+        info["key_error"] = str(e)
+    kind = r.type(key).decode()
+    info["redis_type"] = kind
+    if kind == "none":
+        info.update(valid=False, error="no such key")
+        return info
+    info["ttl_s"] = r.ttl(key)
+    info["memory_usage"] = r.memory_usage(key)
+    if kind != "hash":
+        info.update(valid=False, error=f"value is a {kind}, not an umbp-redis hash")
+        return info
+    h, body = r.hmget(key, ["h", "b"])
+    try:
+        if h is None or body is None:
+            raise InvalidValue("field h or b missing")
+        hdr = decode_header(h)
+        info.update(
+            format_version=hdr.version,
+            layout_fingerprint=hdr.fingerprint.hex(),
+            payload_len=hdr.payload_len,
+            body_len=hdr.body_len,
+        )
+        if len(body) != hdr.body_len:
+            raise InvalidValue(f"body is {len(body)} bytes, header says {hdr.body_len}")
+        if hdr.has_checksum:
+            ok = checksum(body + h[HEADER_SIZE:]) == hdr.checksum
+            info["checksum"] = "ok" if ok else "MISMATCH"
+            if not ok:
+                raise InvalidValue("checksum mismatch")
+        else:
+            info["checksum"] = "absent"
+        info["valid"] = True
+    except InvalidValue as e:
+        info.update(valid=False, error=str(e))
+    return info
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``inspect KEY``: exit 0 when the value is valid, 1 otherwise."""
+    info = inspect_value(_client(args), args.key)
+    _emit(args, info, [[k, str(v)] for k, v in info.items()], ["field", "value"])
+    return 0 if info.get("valid") else 1
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """``stats``: keys, bytes and TTL spread per namespace; server memory and hit rates."""
+    r = _client(args)
+    per: dict[str, dict[str, Any]] = defaultdict(lambda: {"keys": 0, "bytes": 0, "ttls": []})
+    batch: list[bytes] = []
+
+    def flush() -> None:
+        for k in _key_info(r, batch):
+            st = per[k["namespace"]]
+            st["keys"] += 1
+            st["bytes"] += k["value_bytes"] or 0
+            if k["ttl_s"] is not None and k["ttl_s"] >= 0:
+                st["ttls"].append(k["ttl_s"])
+        batch.clear()
+
+    for key in _scan(r, args.namespace):
+        batch.append(key)
+        if len(batch) >= 1000:
+            flush()
+    flush()
+    namespaces = {}
+    for ns, st in per.items():
+        t = st.pop("ttls")
+        namespaces[ns] = {
+            **st,
+            "ttl_min_s": min(t) if t else None,
+            "ttl_median_s": statistics.median(t) if t else None,
+            "ttl_max_s": max(t) if t else None,
+        }
+    mem, sts = r.info("memory"), r.info("stats")
+    hits, misses = int(sts.get("keyspace_hits", 0)), int(sts.get("keyspace_misses", 0))
+    server = {
+        "used_memory": int(mem["used_memory"]),
+        "maxmemory": int(mem.get("maxmemory", 0)),
+        "maxmemory_policy": mem.get("maxmemory_policy"),
+        "evicted_keys": int(sts.get("evicted_keys", 0)),
+        "expired_keys": int(sts.get("expired_keys", 0)),
+        "keyspace_hits": hits,
+        "keyspace_misses": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+    }
+    _emit(
+        args,
+        {"namespaces": namespaces, "server": server},
+        [
+            [
+                ns,
+                str(v["keys"]),
+                str(v["bytes"]),
+                f"{v['ttl_min_s']}/{v['ttl_median_s']}/{v['ttl_max_s']}",
+            ]
+            for ns, v in sorted(namespaces.items())
+        ],
+        ["namespace", "keys", "bytes", "ttl min/median/max s"],
+    )
+    if not args.json:
+        print()
+        for k, v in server.items():
+            print(f"{k:18} {v}")
+    return 0
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    """``purge --namespace NS``: UNLINK the namespace's keys, 500 per round trip."""
+    r = _client(args)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print("refusing to purge without --yes (no terminal to ask on)", file=sys.stderr)
+            return 2
+        answer = input(f"delete every key of namespace {args.namespace}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    deleted, batch = 0, []
+    for key in _scan(r, args.namespace):
+        batch.append(key)
+        if len(batch) >= 500:
+            deleted += r.unlink(*batch)
+            batch = []
+    if batch:
+        deleted += r.unlink(*batch)
+    _emit(
+        args,
+        {"namespace": args.namespace, "deleted": deleted},
+        text=f"deleted {deleted} keys of namespace {args.namespace}",
+    )
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """``doctor``: 0 when the server can serve as a cache (warnings allowed), 2 otherwise."""
+    import redis
+
+    r = _client(args)
+    checks: list[dict[str, str]] = []
+
+    def add(level: str, name: str, detail: str) -> None:
+        checks.append({"level": level, "check": name, "detail": detail})
+
+    try:
+        t0 = time.perf_counter()
+        r.ping()
+        lat = []
+        for _ in range(20):
+            t = time.perf_counter()
+            r.ping()
+            lat.append((time.perf_counter() - t) * 1e3)
+        add("ok", "reachable", f"PING answered in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        add("ok", "latency", f"PING p50 {statistics.median(lat):.2f} ms")
+        info = r.info()
+        add("ok", "version", f"redis {info.get('redis_version')}")
+        maxmem, policy = int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy"))
+        if maxmem == 0:
+            add("warn", "maxmemory", "not set: Redis grows until the machine runs out of memory")
+        else:
+            add("ok", "maxmemory", f"{maxmem} bytes")
+        if policy == "noeviction":
+            add(
+                "warn",
+                "eviction",
+                "maxmemory-policy is noeviction: stores fail when memory is full",
+            )
+        else:
+            add("ok", "eviction", f"maxmemory-policy {policy}")
+        persist = []
+        if int(info.get("aof_enabled", 0)):
+            persist.append("AOF on")
+        try:
+            save = r.config_get("save").get("save", "")
+            if save:
+                persist.append(f"RDB save '{save}'")
+        except redis.ResponseError:
+            pass
+        add(
+            "warn" if persist else "ok",
+            "persistence",
+            ", ".join(persist) + " (a cache needs none)" if persist else "off",
+        )
+    except redis.AuthenticationError as e:
+        add("fail", "auth", str(e))
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        add("fail", "reachable", str(e))
+    except redis.ResponseError as e:
+        add("fail", "server", str(e))
+    failed = any(c["level"] == "fail" for c in checks)
+    _emit(
+        args,
+        {"ok": not failed, "checks": checks},
+        [[c["level"].upper(), c["check"], c["detail"]] for c in checks],
+        ["", "check", "detail"],
+    )
+    return 2 if failed else 0

@@ -1,0 +1,54 @@
+"""The key schema: prefix, parsing and SCAN patterns (light: no torch, no vLLM).
+
+``umbp:vllm:v1:{namespace}:tp{tp}:pcp{pcp}:dcp{dcp}:pp{pp}:g{group_id}:{block_hash hex}``;
+``BlockIdentityCodec`` in ``umbp_redis.data`` builds the keys, this module reads them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KEY_PREFIX = "umbp:vllm:v1"
+"""First fields of every key this project writes; the ``v1`` is the key-schema version."""
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_KEY_RE = re.compile(
+    r"^umbp:vllm:v1:(?P<ns>[A-Za-z0-9_.\-]{1,64}):tp(?P<tp>\d+|\*):pcp(?P<pcp>\d+)"
+    r":dcp(?P<dcp>\d+):pp(?P<pp>\d+):g(?P<group>\d+):(?P<hash>[0-9a-f]+)$"
+)
+
+
+@dataclass(frozen=True)
+class DecodedKey:
+    """The fields of one key; ``tp_rank`` is None for a TP-agnostic (``tp*``) key."""
+
+    namespace: str
+    tp_rank: int | None
+    pcp_rank: int
+    dcp_rank: int
+    pp_rank: int
+    group_id: int
+    block_hash: bytes
+
+
+def parse_key(key: str | bytes) -> DecodedKey:
+    """Decode a key of the schema; raises ValueError for anything else."""
+    text = key.decode() if isinstance(key, bytes) else key
+    m = _KEY_RE.match(text)
+    if m is None or len(m["hash"]) % 2:
+        raise ValueError(f"not an umbp-redis key: {text!r}")
+    return DecodedKey(
+        namespace=m["ns"],
+        tp_rank=None if m["tp"] == "*" else int(m["tp"]),
+        pcp_rank=int(m["pcp"]),
+        dcp_rank=int(m["dcp"]),
+        pp_rank=int(m["pp"]),
+        group_id=int(m["group"]),
+        block_hash=bytes.fromhex(m["hash"]),
+    )
+
+
+def namespace_pattern(namespace: str | None = None) -> str:
+    """A SCAN ``MATCH`` pattern for every key of ``namespace`` (or of every namespace)."""
+    return f"{KEY_PREFIX}:{namespace or '*'}:*"
