@@ -1,10 +1,13 @@
-"""``umbp-redis demo``: KV blocks through Redis and back, on this CPU machine.
+"""``umbp-redis demo``: a cold and a warm vLLM engine sharing one Redis, on this CPU.
 
-Needs no configuration: without ``--redis-url`` it starts a private Redis server.
-It allocates KV caches exactly as vLLM 0.32 does on CPU (per-layer views into one
-shared tensor), plans every block with ``KVLayoutPlanner``, stores the blocks under
-keys of the documented schema, loads them into a second, empty cache (as a fresh
-engine would) and checks the bytes are identical.
+Needs no configuration: without ``--redis-url`` it starts a private Redis server; it
+builds the tiny local model, runs a cold engine over the prompts (which stores their
+KV blocks), then a fresh engine in another process over the same prompts (which loads
+them), and prints prompt tokens, tokens hit in Redis, time to first token cold vs
+warm, keys and bytes stored, and whether the outputs are equal.
+
+``--blocks-only`` instead moves KV blocks laid out as vLLM 0.32 lays them out on CPU
+through Redis and back without starting an engine.
 """
 
 from __future__ import annotations
@@ -21,8 +24,20 @@ def register(sub: Any) -> None:
     """Add the ``demo`` subcommand."""
     p = sub.add_parser("demo", help="store KV blocks in Redis and load them back (CPU)")
     p.add_argument("--redis-url", default=None, help="server (default: a private one)")
-    p.add_argument("--blocks", type=int, default=64, help="KV blocks to move (default 64)")
-    p.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
+    p.add_argument("--prompt-words", type=int, default=1500, help="words per prompt")
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="where the tiny model is built (default ~/.cache/umbp-redis/tiny-llama)",
+    )
+    p.add_argument(
+        "--blocks-only",
+        action="store_true",
+        help="move KV blocks through Redis without starting engines",
+    )
+    p.add_argument("--blocks", type=int, default=64, help="with --blocks-only: blocks to move")
+    p.add_argument("--layers", type=int, default=8, help="with --blocks-only: model layers")
     p.set_defaults(handler=run_demo)
 
 
@@ -67,7 +82,9 @@ def run_demo(args: argparse.Namespace) -> int:
         url = server.url
         print(f"started a private Redis server at {url}")
     try:
-        return _demo(url, args.blocks, args.layers)
+        if args.blocks_only:
+            return _demo(url, args.blocks, args.layers)
+        return _engine_demo(url, args)
     finally:
         if server is not None:
             server.cleanup()
@@ -142,3 +159,85 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
     dp.delete([p.key for p in plans])
     dp.close()
     return 0 if equal else 1
+
+
+def _engine_demo(url: str, args: argparse.Namespace) -> int:
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import redis
+
+    from umbp_redis.keys import namespace_pattern
+    from umbp_redis.tiny_model import build_tiny_llama, sample_prompts
+
+    model_dir = Path(args.model_dir or Path.home() / ".cache" / "umbp-redis" / "tiny-llama")
+    print(f"building the tiny model in {model_dir} ...", flush=True)
+    model = build_tiny_llama(model_dir)
+    prompts = sample_prompts(args.prompts, args.prompt_words, seed=7, shared_prefix_words=0)
+    connector = {
+        "kv_connector": "UMBPRedisConnector",
+        "kv_connector_module_path": "umbp_redis.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"redis_url": url},
+    }
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for phase in ("cold", "warm"):
+            spec = {
+                "model": str(model),
+                "max_model_len": 2048,
+                "max_tokens": 16,
+                "prompts": prompts,
+                "connector": connector,
+                "out": f"{tmp}/{phase}.json",
+            }
+            Path(f"{tmp}/{phase}.spec.json").write_text(json.dumps(spec))
+            print(f"starting the {phase} engine (about 30 s) ...", flush=True)
+            env = {
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            }
+            proc = subprocess.run(
+                [sys.executable, "-m", "umbp_redis.demo_engine", f"{tmp}/{phase}.spec.json"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+            if proc.returncode != 0:
+                print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+                print(f"the {phase} engine failed", file=sys.stderr)
+                return 1
+            results[phase] = json.loads(Path(f"{tmp}/{phase}.json").read_text())
+    r = redis.Redis.from_url(url)
+    keys = list(r.scan_iter(match=namespace_pattern(), count=1000))
+    p = r.pipeline(transaction=False)
+    for k in keys:
+        p.hstrlen(k, "b")
+        p.hstrlen(k, "h")
+    sizes = p.execute()
+    stored_bytes = sum(sizes[0::2]) + sum(sizes[1::2]) - 48 * len(keys)
+    cold, warm = results["cold"], results["warm"]
+    equal = cold["outputs"] == warm["outputs"]
+    table = [
+        ("prompts", str(len(prompts))),
+        ("prompt tokens", ", ".join(map(str, cold["prompt_tokens"]))),
+        ("tokens hit in Redis (cold)", ", ".join(map(str, cold["redis_hit_tokens"]))),
+        ("tokens hit in Redis (warm)", ", ".join(map(str, warm["redis_hit_tokens"]))),
+        ("time to first token, cold (s)", f"{cold['ttft_s']:.3f}"),
+        ("time to first token, warm (s)", f"{warm['ttft_s']:.3f}"),
+        ("keys stored", str(len(keys))),
+        ("bytes stored", f"{stored_bytes:,}"),
+        ("outputs equal (cold vs warm)", "yes" if equal else "NO"),
+    ]
+    width = max(len(a) for a, _ in table)
+    print()
+    for a, b in table:
+        print(f"{a:<{width}}  {b}")
+    print("\n(a tiny random model on CPU: prefill is cheap here; the saving grows with the")
+    print(" model's size and the prompt's length)")
+    return 0 if equal and sum(warm["redis_hit_tokens"]) > 0 else 1
