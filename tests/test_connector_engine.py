@@ -159,8 +159,46 @@ def test_engines_with_other_model_settings_never_share_objects(
     assert first["cached"] == 0
     after = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
     assert len(before) == 1 and before < after and len(after) == 2
-    for k in r.scan_iter(match=f"umbp:vllm:v1:{(after - before).pop()}:*"):
-        r.delete(k)
+    # The operator CLI over what the two engines stored.
+    cli = [sys.executable, "-m", "umbp_redis.cli"]
+    new_ns, old_ns = (after - before).pop(), next(iter(before))
+    stats = json.loads(
+        subprocess.run(
+            [*cli, "stats", "--redis-url", server.url, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    )
+    assert set(stats["namespaces"]) == after
+    assert stats["namespaces"][new_ns]["keys"] == stats["namespaces"][old_ns]["keys"]
+    doctor = subprocess.run(
+        [*cli, "doctor", "--redis-url", server.url], capture_output=True, text=True, timeout=60
+    )
+    assert doctor.returncode == 0 and "reachable" in doctor.stdout
+    purge = subprocess.run(
+        [*cli, "purge", "--namespace", new_ns, "--yes", "--redis-url", server.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert json.loads(purge.stdout)["deleted"] == stats["namespaces"][new_ns]["keys"]
+    left = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
+    assert left == before  # the other engine's objects are intact
+    # A copy of an engine's object with a damaged header fails validation.
+    src = next(iter(r.scan_iter(match=f"umbp:vllm:v1:{old_ns}:*"))).decode()
+    bad = src.rsplit(":", 1)[0] + ":" + "ab" * 32
+    r.restore(bad, 0, r.dump(src))
+    h = r.hget(bad, "h") or b""
+    r.hset(bad, "h", h[:4] + b"\x09\x00" + h[6:])  # format version 9
+    inspect = subprocess.run(
+        [*cli, "inspect", bad, "--redis-url", server.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert inspect.returncode == 1 and "version" in json.loads(inspect.stdout)["error"]
+    r.delete(bad)
 
 
 def test_fresh_engine_loads_prefix_and_survives_bad_values_and_outages(
