@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from test_cli import cli
 
 from umbp_redis.data import parse_key
 from umbp_redis.embedded_redis import EmbeddedRedis, free_port
@@ -121,23 +122,10 @@ def test_cold_engine_stores_every_complete_prompt_block(
         assert r.hstrlen(k, "b") > 0
     assert len(namespaces) == 1
     # The operator CLI reads what a real engine stored.
-    cli = [sys.executable, "-m", "umbp_redis.cli"]
-    ls = json.loads(
-        subprocess.run(
-            [*cli, "ls", "--redis-url", server.url, "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-    )
+    ls = json.loads(cli("ls", "--redis-url", server.url, "--json").stdout)
     assert ls["namespaces"] == {namespaces.pop(): len(keys)}
     assert {k["value_bytes"] for k in ls["keys"]} == {2 * 65536}  # 2 layers x 64 KiB pages
-    info = subprocess.run(
-        [*cli, "inspect", keys[0], "--redis-url", server.url, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    info = cli("inspect", keys[0], "--redis-url", server.url, "--json")
     assert info.returncode == 0 and json.loads(info.stdout)["valid"] is True
 
 
@@ -160,28 +148,13 @@ def test_engines_with_other_model_settings_never_share_objects(
     after = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
     assert len(before) == 1 and before < after and len(after) == 2
     # The operator CLI over what the two engines stored.
-    cli = [sys.executable, "-m", "umbp_redis.cli"]
     new_ns, old_ns = (after - before).pop(), next(iter(before))
-    stats = json.loads(
-        subprocess.run(
-            [*cli, "stats", "--redis-url", server.url, "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-    )
+    stats = json.loads(cli("stats", "--redis-url", server.url, "--json").stdout)
     assert set(stats["namespaces"]) == after
     assert stats["namespaces"][new_ns]["keys"] == stats["namespaces"][old_ns]["keys"]
-    doctor = subprocess.run(
-        [*cli, "doctor", "--redis-url", server.url], capture_output=True, text=True, timeout=60
-    )
+    doctor = cli("doctor", "--redis-url", server.url)
     assert doctor.returncode == 0 and "reachable" in doctor.stdout
-    purge = subprocess.run(
-        [*cli, "purge", "--namespace", new_ns, "--yes", "--redis-url", server.url, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    purge = cli("purge", "--namespace", new_ns, "--yes", "--redis-url", server.url, "--json")
     assert json.loads(purge.stdout)["deleted"] == stats["namespaces"][new_ns]["keys"]
     left = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
     assert left == before  # the other engine's objects are intact
@@ -191,12 +164,7 @@ def test_engines_with_other_model_settings_never_share_objects(
     r.restore(bad, 0, r.dump(src))
     h = r.hget(bad, "h") or b""
     r.hset(bad, "h", h[:4] + b"\x09\x00" + h[6:])  # format version 9
-    inspect = subprocess.run(
-        [*cli, "inspect", bad, "--redis-url", server.url, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    inspect = cli("inspect", bad, "--redis-url", server.url, "--json")
     assert inspect.returncode == 1 and "version" in json.loads(inspect.stdout)["error"]
     r.delete(bad)
 

@@ -71,6 +71,12 @@ def _caches(num_blocks: int, layers: list[str]) -> tuple[Any, dict[str, torch.Te
     return cfg, allocate_kv_cache(cfg, torch.device("cpu"), layout)
 
 
+def _print_table(rows: list[tuple[str, str]]) -> None:
+    width = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"{a:<{width}}  {b}")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; exit code 0 when every block came back byte-identical."""
     from umbp_redis.embedded_redis import EmbeddedRedis
@@ -153,9 +159,7 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
         ("example key", plans[0].key),
         ("caches byte-identical", "yes" if equal else "NO"),
     ]
-    width = max(len(a) for a, _ in table)
-    for a, b in table:
-        print(f"{a:<{width}}  {b}")
+    _print_table(table)
     dp.delete([p.key for p in plans])
     dp.close()
     return 0 if equal else 1
@@ -234,10 +238,8 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
         ("bytes stored", f"{stored_bytes:,}"),
         ("outputs equal (cold vs warm)", "yes" if equal else "NO"),
     ]
-    width = max(len(a) for a, _ in table)
     print()
-    for a, b in table:
-        print(f"{a:<{width}}  {b}")
+    _print_table(table)
     print("\n(a tiny random model on CPU: prefill is cheap here; the saving grows with the")
     print(" model's size and the prompt's length)")
     return 0 if equal and sum(warm["redis_hit_tokens"]) > 0 else 1
