@@ -30,7 +30,7 @@ from umbp_redis.errors import (
     RedisLoadingError,
     RedisOOMError,
 )
-from umbp_redis.resp import Buffer, ErrorReply, bulk_prefix, send_buffers
+from umbp_redis.resp import Buffer, ErrorReply, bulk_prefix, encode_command, send_buffers
 from umbp_redis.value_format import (
     HEADER_SIZE,
     InvalidValue,
@@ -169,9 +169,7 @@ class RedisDataPlane:
         )
         wait = self.settings.lookup_timeout_s if timeout is None else timeout
         try:
-            with self.pool.connection(timeout=wait) as conn:
-                send_buffers(conn.sock, [buf], use_sendmsg=False)
-                replies = conn.reader.read_int_replies(len(kb))
+            replies = self._int_round_trip(buf, len(kb), timeout=wait)
         except RedisDataPlaneError as e:
             self.stats.add(lookups=1, lookup_errors=1)
             log.debug("lookup of %d keys failed: %s", len(kb), e)
@@ -186,6 +184,38 @@ class RedisDataPlane:
         present = [r == 1 for r in replies]
         self.stats.add(lookups=1, lookup_keys=len(kb), lookup_hits=sum(present))
         return present
+
+    # -- shared round trips ------------------------------------------------------------
+
+    def _int_round_trip(
+        self, buf: bytes, count: int, *, timeout: float | None = None
+    ) -> list[int | ErrorReply]:
+        """Send one pre-encoded buffer of ``count`` commands and read their integer replies."""
+        with self.pool.connection(timeout=timeout) as conn:
+            send_buffers(conn.sock, [buf], use_sendmsg=False)
+            return conn.reader.read_int_replies(count)
+
+    def _command(self, *args: bytes | str | int) -> Any:
+        """One small command and its reply (raises ``RedisDataPlaneError``)."""
+        with self.pool.connection() as conn:
+            send_buffers(conn.sock, [encode_command(*args)], use_sendmsg=False)
+            return conn.reader.read_reply()
+
+    @staticmethod
+    def _windowed(
+        groups: Sequence[range], send: Callable[[range], None], read: Callable[[range], list[T]]
+    ) -> list[T]:
+        """Send group i+1 before reading group i's replies: at most two groups in flight."""
+        out: list[T] = []
+        pending: list[range] = []
+        for g in groups:
+            send(g)
+            pending.append(g)
+            if len(pending) > 1:
+                out.extend(read(pending.pop(0)))
+        for g in pending:
+            out.extend(read(g))
+        return out
 
     # -- fan-out helper ---------------------------------------------------------------
 
@@ -269,9 +299,7 @@ class RedisDataPlane:
     def _expire_existing(self, keys: Sequence[str | bytes], ttl: bytes) -> list[bool] | None:
         buf = b"".join(_expire_cmd(_key_bytes(k), ttl) for k in keys)
         try:
-            with self.pool.connection() as conn:
-                send_buffers(conn.sock, [buf], use_sendmsg=False)
-                replies = conn.reader.read_int_replies(len(keys))
+            replies = self._int_round_trip(buf, len(keys))
         except RedisDataPlaneError as e:
             log.debug("existence check before store failed: %s", e)
             return None
@@ -289,17 +317,12 @@ class RedisDataPlane:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
         groups = _groups([sub[i][1].nbytes for i in idx], window)
-        out: list[StoreStatus] = []
         with self.pool.connection() as conn:
-            pending: list[range] = []
-            for g in groups:
-                self._send_stores(conn, [sub[idx[j]] for j in g], fingerprint, ttl)
-                pending.append(g)
-                if len(pending) > 1:
-                    out.extend(self._read_stores(conn, len(pending.pop(0))))
-            for g in pending:
-                out.extend(self._read_stores(conn, len(g)))
-        return out
+            return self._windowed(
+                groups,
+                lambda g: self._send_stores(conn, [sub[idx[j]] for j in g], fingerprint, ttl),
+                lambda g: self._read_stores(conn, len(g)),
+            )
 
     def _send_stores(
         self,
@@ -381,19 +404,14 @@ class RedisDataPlane:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
         groups = _groups([sub[i][1].nbytes + 128 for i in idx], window)
-        out: list[LoadStatus] = []
         with self.pool.connection() as conn:
-            pending: list[range] = []
-            for g in groups:
-                cmds = b"".join(_hmget_cmd(sub[idx[j]][0]) for j in g)
-                send_buffers(conn.sock, [cmds], use_sendmsg=False)
-                pending.append(g)
-                if len(pending) > 1:
-                    done = pending.pop(0)
-                    out.extend(self._read_load(conn, sub[idx[j]][1], fingerprint) for j in done)
-            for g in pending:
-                out.extend(self._read_load(conn, sub[idx[j]][1], fingerprint) for j in g)
-        return out
+            return self._windowed(
+                groups,
+                lambda g: send_buffers(
+                    conn.sock, [b"".join(_hmget_cmd(sub[idx[j]][0]) for j in g)], use_sendmsg=False
+                ),
+                lambda g: [self._read_load(conn, sub[idx[j]][1], fingerprint) for j in g],
+            )
 
     def _read_load(self, conn: RedisConnection, dest: memoryview, fingerprint: bytes) -> LoadStatus:
         r = conn.reader
@@ -443,29 +461,17 @@ class RedisDataPlane:
         """UNLINK keys; the number removed (0 on error)."""
         if not keys:
             return 0
-        from umbp_redis.resp import encode_command
-
         try:
-            with self.pool.connection() as conn:
-                send_buffers(
-                    conn.sock,
-                    [encode_command("UNLINK", *[_key_bytes(k) for k in keys])],
-                    use_sendmsg=False,
-                )
-                reply: Any = conn.reader.read_reply()
+            reply = self._command("UNLINK", *[_key_bytes(k) for k in keys])
         except RedisDataPlaneError:
             return 0
         return reply if isinstance(reply, int) else 0
 
     def ping(self) -> float | None:
         """Round-trip seconds of a PING, or None when the server does not answer."""
-        from umbp_redis.resp import encode_command
-
         t0 = time.perf_counter()
         try:
-            with self.pool.connection() as conn:
-                send_buffers(conn.sock, [encode_command("PING")], use_sendmsg=False)
-                reply = conn.reader.read_reply()
+            reply = self._command("PING")
         except RedisDataPlaneError:
             return None
         return time.perf_counter() - t0 if reply == "PONG" else None
