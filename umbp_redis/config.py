@@ -197,7 +197,10 @@ def validate_options(
 
 @dataclass(frozen=True)
 class RedisSettings:
-    """Where and how to reach Redis, parsed from the options. ``repr`` hides the password."""
+    """Where and how to reach Redis, parsed from the options. ``repr`` hides the password.
+
+    Defaults come from the option table, so the two cannot drift apart.
+    """
 
     scheme: str  # "redis", "rediss" or "unix"
     host: str = "localhost"
@@ -206,20 +209,20 @@ class RedisSettings:
     db: int = 0
     username: str | None = None
     password: str | None = dataclasses.field(default=None, repr=False)
-    tls_ca_cert: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_check_hostname: bool = True
-    connect_timeout_s: float = 1.0
-    op_timeout_s: float = 5.0
-    lookup_timeout_s: float = 0.25
-    max_connections: int = 8
-    transfer_connections: int = 2
-    max_inflight_bytes: int = 4 * MiB
-    ttl_seconds: int = 86400
-    refresh_ttl_on_lookup: bool = True
-    checksum: bool = False
-    fail_fast_s: float = 1.0
+    tls_ca_cert: str | None = OPTIONS_BY_NAME["tls_ca_cert"].default
+    tls_cert: str | None = OPTIONS_BY_NAME["tls_cert"].default
+    tls_key: str | None = OPTIONS_BY_NAME["tls_key"].default
+    tls_check_hostname: bool = OPTIONS_BY_NAME["tls_check_hostname"].default
+    connect_timeout_s: float = OPTIONS_BY_NAME["connect_timeout_s"].default
+    op_timeout_s: float = OPTIONS_BY_NAME["op_timeout_s"].default
+    lookup_timeout_s: float = OPTIONS_BY_NAME["lookup_timeout_s"].default
+    max_connections: int = OPTIONS_BY_NAME["max_connections"].default
+    transfer_connections: int = OPTIONS_BY_NAME["transfer_connections"].default
+    max_inflight_bytes: int = OPTIONS_BY_NAME["max_inflight_bytes"].default
+    ttl_seconds: int = OPTIONS_BY_NAME["ttl_seconds"].default
+    refresh_ttl_on_lookup: bool = OPTIONS_BY_NAME["refresh_ttl_on_lookup"].default
+    checksum: bool = OPTIONS_BY_NAME["checksum"].default
+    fail_fast_s: float = OPTIONS_BY_NAME["fail_fast_s"].default
 
     @property
     def tls(self) -> bool:
