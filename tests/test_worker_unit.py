@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +122,151 @@ def test_cancelled_load_is_not_scattered(model_config: ModelConfig, redis_url: s
     dst.bind(UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H1,), (6,), (0,))]))
     with dst._lock:  # the scheduler preempts r2 before its load lands
         dst._cancelled.add("r2")
-    dst._run_load(dst.meta.loads[0], True)  # type: ignore[union-attr]
+    dst._run_load(dst.meta.loads[0], True, None)  # type: ignore[union-attr]
     assert "r2" in (dst.get_finished()[1] or set())
     assert all(not page_bytes(t, 6, NB).any() for t in dst_caches.values())
+
+
+class GatedCopier:
+    """The worker's own copier, but a copy happens only when ``wait`` is called and the
+    test has opened the gate: like a GPU copy that is still running on its stream.
+
+    A worker that sent staging bytes before waiting for the gather would store zeros,
+    and one that reported a load before waiting for the scatter would be caught with
+    the destination still empty.
+    """
+
+    name = "gated"
+
+    def __init__(self, inner, fail: str = "") -> None:  # type: ignore[no-untyped-def]
+        self.inner = inner
+        self.gate = threading.Event()
+        self.fail = fail
+        self.points: list[tuple[object, str]] = []
+        self.scatter_after: list[object] = []
+
+    def engine_point(self) -> object:
+        point = object()
+        self.points.append((point, threading.current_thread().name))
+        return point
+
+    def _handle(self, copy):  # type: ignore[no-untyped-def]
+        gate, fail = self.gate, self.fail
+
+        class Handle:
+            def wait(self) -> None:
+                assert gate.wait(10), "the test never opened the gate"
+                if fail == "wait":
+                    raise RuntimeError("device copy failed")
+                copy()
+
+        return Handle()
+
+    def gather(self, plan):  # type: ignore[no-untyped-def]
+        if self.fail == "launch":
+            raise RuntimeError("kernel launch failed")
+        return self._handle(lambda: self.inner.gather(plan))
+
+    def scatter(self, plan, after=None):  # type: ignore[no-untyped-def]
+        self.scatter_after.append(after)
+        return self._handle(lambda: self.inner.scatter(plan, after))
+
+
+def _gate(w: UMBPWorker, fail: str = "") -> GatedCopier:
+    gated = GatedCopier(w.copier, fail)
+    w.copier = gated  # type: ignore[assignment]
+    return gated
+
+
+def test_store_sends_only_after_its_gather_completes(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    import redis
+
+    src, src_caches = make_worker(model_config, redis_url)
+    fill_random(src_caches, seed=8)
+    gated = _gate(src)
+    step(src, UMBPConnectorMetadata(stores=[BlockStoreBatch("r1", (H1,), (5,), (0,), event_id=4)]))
+    # The event is reported at once (on GPU the engine's stream waits for the gather) ...
+    meta = src.build_worker_meta()
+    assert meta is not None and meta.store_results[4].failed_keys == frozenset()
+    time.sleep(0.3)
+    r = redis.Redis.from_url(redis_url)
+    assert r.dbsize() == 0 and not src.idle()  # ... but nothing is sent before the copy
+    gated.gate.set()
+    deadline = time.monotonic() + 10
+    while not src.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.dbsize() == 1
+
+    dst, dst_caches = make_worker(model_config, redis_url)
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H1,), (2,), (0,))]))
+    assert wait_loaded(dst, "r2") == set()
+    for name in src_caches:
+        assert torch.equal(page_bytes(dst_caches[name], 2, NB), page_bytes(src_caches[name], 5, NB))
+
+
+def test_load_finishes_only_after_its_scatter_completes(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    src, src_caches = make_worker(model_config, redis_url)
+    fill_random(src_caches, seed=9)
+    step(src, UMBPConnectorMetadata(stores=[BlockStoreBatch("r1", (H2,), (7,), (0,), event_id=1)]))
+    while not src.idle():
+        time.sleep(0.01)
+
+    dst, dst_caches = make_worker(model_config, redis_url)
+    gated = _gate(dst)
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H2,), (3,), (0,))]))
+    # The engine point is taken on the engine's thread when the load starts, and the
+    # scatter is ordered after it.
+    assert [t for _, t in gated.points] == [threading.current_thread().name]
+    time.sleep(0.3)
+    assert dst.get_finished() == (None, None)
+    assert gated.scatter_after == [gated.points[0][0]]
+    gated.gate.set()
+    assert wait_loaded(dst, "r2") == set()
+    for name in src_caches:
+        assert torch.equal(page_bytes(dst_caches[name], 3, NB), page_bytes(src_caches[name], 7, NB))
+
+
+@pytest.mark.parametrize("fail", ["launch", "wait"])
+def test_failed_gather_drops_the_store_and_frees_staging(
+    model_config: ModelConfig, redis_url: str, fail: str
+) -> None:
+    import redis
+
+    w, caches = make_worker(model_config, redis_url)
+    fill_random(caches)
+    gated = _gate(w, fail)
+    gated.gate.set()
+    step(
+        w,
+        UMBPConnectorMetadata(stores=[BlockStoreBatch("r", (H1, H2), (1, 2), (0, 0), event_id=6)]),
+    )
+    meta = w.build_worker_meta()
+    assert meta is not None and 6 in meta.store_results
+    deadline = time.monotonic() + 10
+    while not w.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.stats.totals["store_failures"] == 2
+    assert w.staging is not None and w.staging.free_slots == w.staging.num_slots
+    assert redis.Redis.from_url(redis_url).dbsize() == 0
+    if fail == "launch":  # known at once: the scheduler is told the keys failed
+        assert len(meta.store_results[6].failed_keys) == 2
+
+
+def test_failed_scatter_makes_the_blocks_recompute(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    src, src_caches = make_worker(model_config, redis_url)
+    fill_random(src_caches, seed=3)
+    step(src, UMBPConnectorMetadata(stores=[BlockStoreBatch("r1", (H3,), (4,), (0,), event_id=1)]))
+    while not src.idle():
+        time.sleep(0.01)
+    dst, _ = make_worker(model_config, redis_url)
+    gated = _gate(dst, "wait")
+    gated.gate.set()
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H3,), (8,), (0,))]))
+    assert wait_loaded(dst, "r2") == {8}
+    assert dst.staging is not None and dst.staging.free_slots == dst.staging.num_slots

@@ -146,6 +146,15 @@ OPTIONS: tuple[Option, ...] = (
         minimum=1,
     ),
     Option(
+        "copy_backend",
+        str,
+        "auto",
+        "How blocks move between the KV cache and staging: auto (the CuPy kernel for CUDA "
+        "tensors when CuPy is installed, else torch copies), cupy (the kernel; startup fails "
+        "where it cannot run) or torch (per-range torch copies, the reference).",
+        choices=("auto", "cupy", "torch"),
+    ),
+    Option(
         "shutdown_timeout_s",
         (int, float),
         5.0,

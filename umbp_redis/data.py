@@ -502,6 +502,116 @@ class BlockTransferPlan:
 
 
 @dataclass(frozen=True)
+class KVRangeTemplate:
+    """Every block's transfer ranges of one cache group, as columns.
+
+    Range ``i`` of engine block ``b`` is ``lengths[i]`` bytes at engine address
+    ``engine_bases[i] + b * block_strides[i]`` and at ``object_offsets[i]`` in the
+    object. Ranges are in object order and tile the object exactly. Batched
+    executors lower many blocks at once from these columns instead of a plan each.
+    """
+
+    group_id: int
+    object_size: int
+    layout_fingerprint: bytes
+    engine_bases: tuple[int, ...]
+    block_strides: tuple[int, ...]
+    object_offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.engine_bases)
+        if not (len(self.block_strides) == len(self.object_offsets) == len(self.lengths) == n):
+            raise ValueError("KVRangeTemplate columns differ in length")
+        end = 0
+        for off, length in zip(self.object_offsets, self.lengths, strict=True):
+            if off != end or length <= 0:
+                raise ValueError("KVRangeTemplate ranges must tile the object in order")
+            end += length
+        if end != self.object_size:
+            raise ValueError(
+                f"KVRangeTemplate ranges cover {end} bytes of a {self.object_size}-byte object"
+            )
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def ranges_for(self, block_id: int) -> tuple[KVRange, ...]:
+        """The ranges of one engine block."""
+        return tuple(
+            KVRange(base + block_id * stride, off, length)
+            for base, stride, off, length in zip(
+                self.engine_bases,
+                self.block_strides,
+                self.object_offsets,
+                self.lengths,
+                strict=True,
+            )
+        )
+
+    def chunked(self, max_bytes: int) -> KVRangeTemplate:
+        """The same bytes with no range longer than ``max_bytes`` (split in order).
+
+        Pieces start at multiples of ``max_bytes`` from their range's start, so a
+        range's alignment carries over to its pieces when ``max_bytes`` is a multiple
+        of it. Executors use this to spread one long range over many workers.
+        """
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+        cols: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        for base, stride, off, length in zip(
+            self.engine_bases, self.block_strides, self.object_offsets, self.lengths, strict=True
+        ):
+            for piece in range(0, length, max_bytes):
+                cols[0].append(base + piece)
+                cols[1].append(stride)
+                cols[2].append(off + piece)
+                cols[3].append(min(max_bytes, length - piece))
+        return dataclasses.replace(
+            self,
+            engine_bases=tuple(cols[0]),
+            block_strides=tuple(cols[1]),
+            object_offsets=tuple(cols[2]),
+            lengths=tuple(cols[3]),
+        )
+
+
+@dataclass(frozen=True)
+class StagingCopyPlan:
+    """Which engine blocks are copied to (stores) or from (loads) which staging slots.
+
+    Columnar: entry ``i`` moves engine block ``block_ids[i]`` of cache group
+    ``group_ids[i]`` to or from staging slot ``slots[i]``. Slots are distinct.
+    """
+
+    group_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.group_ids)
+        if len(self.block_ids) != n or len(self.slots) != n:
+            raise ValueError(
+                f"StagingCopyPlan columns differ in length: {n} groups, "
+                f"{len(self.block_ids)} blocks, {len(self.slots)} slots"
+            )
+        if len(set(self.slots)) != n:
+            raise ValueError("StagingCopyPlan slots must be distinct")
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def by_group(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(block ids, slots) of each cache group, in plan order."""
+        out: dict[int, tuple[list[int], list[int]]] = {}
+        for gid, bid, slot in zip(self.group_ids, self.block_ids, self.slots, strict=True):
+            blocks, slots = out.setdefault(gid, ([], []))
+            blocks.append(bid)
+            slots.append(slot)
+        return {g: (tuple(b), tuple(s)) for g, (b, s) in out.items()}
+
+
+@dataclass(frozen=True)
 class _BlockBatch(Sequence[BlockTransferPlan]):
     """Columnar whole-block transfers of one request; request data shared by all."""
 
@@ -731,6 +841,46 @@ class KVLayoutPlanner:
                 f"{sorted(self.layouts)}"
             ) from None
 
+    def range_template(self, group_id: int, base_addresses: Mapping[str, int]) -> KVRangeTemplate:
+        """The ranges of every block of ``group_id``, as addresses of block 0 plus strides.
+
+        Runs adjacent both in engine memory and in the object, with the same block
+        stride, are coalesced (for every block at once), so a block-outermost layout
+        whose layers lie side by side is one range per block.
+        """
+        layout = self.layout(group_id)
+        bases: list[int] = []
+        strides: list[int] = []
+        offsets: list[int] = []
+        lengths: list[int] = []
+        for region in layout.regions:
+            start = base_addresses[region.layer_name]
+            obj = region.object_offset
+            for seg_off, seg_len in region.segments:
+                addr = start + seg_off
+                if (
+                    lengths
+                    and strides[-1] == region.block_stride
+                    and bases[-1] + lengths[-1] == addr
+                    and offsets[-1] + lengths[-1] == obj
+                ):
+                    lengths[-1] += seg_len
+                else:
+                    bases.append(addr)
+                    strides.append(region.block_stride)
+                    offsets.append(obj)
+                    lengths.append(seg_len)
+                obj += seg_len
+        return KVRangeTemplate(
+            group_id=group_id,
+            object_size=layout.object_size,
+            layout_fingerprint=layout.fingerprint,
+            engine_bases=tuple(bases),
+            block_strides=tuple(strides),
+            object_offsets=tuple(offsets),
+            lengths=tuple(lengths),
+        )
+
     def plan_for_block(
         self,
         key: str,
@@ -740,11 +890,14 @@ class KVLayoutPlanner:
         group_id: int | None = None,
         request_id: str | None = None,
         block_hash: bytes = b"",
+        lower: bool = True,
     ) -> BlockTransferPlan:
         """Lower one engine block into a deterministic scatter/gather plan.
 
-        Adjacent runs that are contiguous both in engine memory and in the object are
-        coalesced, so a block-outermost layout is one range per block.
+        The ranges are ``range_template(group_id, base_addresses).ranges_for(block_id)``,
+        so this plan and the batched executors' copies are the same bytes. With
+        ``lower=False`` the plan has no ranges (key, size and fingerprint only), for
+        executors that copy whole batches from the template.
         """
         if group_id is None:
             if len(self.layouts) != 1:
@@ -753,25 +906,7 @@ class KVLayoutPlanner:
         layout = self.layout(group_id)
         if not 0 <= block_id < self.num_blocks:
             raise KVLayoutError(f"block id {block_id} outside 0..{self.num_blocks - 1}")
-        ranges: list[KVRange] = []
-        for region in layout.regions:
-            start = base_addresses[region.layer_name] + block_id * region.block_stride
-            obj = region.object_offset
-            for seg_off, seg_len in region.segments:
-                addr = start + seg_off
-                if ranges:
-                    last = ranges[-1]
-                    if (
-                        last.engine_address + last.length == addr
-                        and last.object_offset + last.length == obj
-                    ):
-                        ranges[-1] = KVRange(
-                            last.engine_address, last.object_offset, last.length + seg_len
-                        )
-                        obj += seg_len
-                        continue
-                ranges.append(KVRange(addr, obj, seg_len))
-                obj += seg_len
+        ranges = self.range_template(group_id, base_addresses).ranges_for(block_id) if lower else ()
         return BlockTransferPlan(
             block_id=block_id,
             group_id=group_id,

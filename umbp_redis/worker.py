@@ -1,11 +1,14 @@
 """Worker half of the connector: planned gathers/scatters and Redis I/O off the forward pass.
 
 Stores: the step's store batches are gathered into staging slots right after the
-forward pass (a memory copy), their store events are reported at once so the scheduler
-can release the source blocks, and the Redis writes run on a transfer thread.
+forward pass (torch copies on CPU; one kernel launch per batch on a copy stream on GPU,
+which the engine's stream then waits on), their store events are reported at once so
+the scheduler can release the source blocks, and the Redis writes run on a transfer
+thread once the gather has completed.
 Loads: each batch is read into staging slots and scattered into its destination blocks
-on a transfer thread; the request is reported finished when every block is terminal,
-and blocks that did not load are reported so vLLM recomputes them.
+on a transfer thread (after the engine's work submitted when the load started); the
+request is reported finished when every block is terminal and its scatter has
+completed, and blocks that did not load are reported so vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from umbp_redis.block_copy import BlockCopier, CopyHandle, make_block_copier
 from umbp_redis.config import RedisSettings
-from umbp_redis.cpu_copy import CpuBlockCopier
 from umbp_redis.data import (
     BlockIdentityCodec,
     BlockLoadBatch,
@@ -28,6 +31,7 @@ from umbp_redis.data import (
     BlockTransferPlan,
     KVLayoutPlanner,
     RankTopology,
+    StagingCopyPlan,
     StoreEventResult,
     UMBPConnectorMetadata,
     UMBPConnectorWorkerMetadata,
@@ -64,6 +68,15 @@ def _by_fingerprint(plans: list[BlockTransferPlan]) -> dict[bytes, list[int]]:
     for i, p in enumerate(plans):
         groups[p.layout_fingerprint].append(i)
     return groups
+
+
+def _copy_plan(plans: list[BlockTransferPlan], slots: list[int]) -> StagingCopyPlan:
+    """The copier's view of blocks and their staging slots."""
+    return StagingCopyPlan(
+        group_ids=tuple(p.group_id for p in plans),
+        block_ids=tuple(p.block_id for p in plans),
+        slots=tuple(slots),
+    )
 
 
 class WorkerStats:
@@ -143,7 +156,7 @@ class UMBPWorker:
         self.meta: UMBPConnectorMetadata | None = None
         self._stores_submitted = False
         self.bases: dict[str, int] = {}
-        self.copier: CpuBlockCopier | None = None
+        self.copier: BlockCopier | None = None
         self.staging: StagingPool | None = None
         log.info(
             "umbp-redis worker %s: key namespace %s (%s)",
@@ -157,10 +170,24 @@ class UMBPWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Plan the object layout from the live tensors and allocate staging."""
         self.bases = self.planner.register_kv_caches(kv_caches)
-        self.copier = CpuBlockCopier(kv_caches)
         slot = max(lay.object_size for lay in self.planner.layouts.values())
         pin = any(t.is_cuda for t in kv_caches.values())
         self.staging = StagingPool(slot, int(self.options["max_staging_bytes"]), pin_memory=pin)
+        templates = {g: self.planner.range_template(g, self.bases) for g in self.planner.layouts}
+        self.copier = make_block_copier(
+            str(self.options["copy_backend"]),
+            kv_caches,
+            templates,
+            self.staging,
+            self.planner.num_blocks,
+        )
+        log.info(
+            "umbp-redis: %s block copies, %d staging slots of %d bytes%s",
+            self.copier.name,
+            self.staging.num_slots,
+            slot,
+            " (pinned)" if pin else "",
+        )
         for gid, lay in self.planner.layouts.items():
             log.info(
                 "umbp-redis: group %d object %d bytes, %d regions, layout %s",
@@ -194,13 +221,15 @@ class UMBPWorker:
         meta = self.meta
         if meta is None or not meta.loads:
             return
+        # Scatters into the destination blocks go after the engine's work so far.
+        after = self.copier.engine_point() if self.copier is not None else None
         for batch in meta.loads:
             with self._lock:
                 self._cancelled.discard(batch.request_id)
             if meta.load_async:
-                self._track(self._loads.submit(self._run_load, batch, True))
+                self._track(self._loads.submit(self._run_load, batch, True, after))
             else:
-                self._run_load(batch, False)
+                self._run_load(batch, False, after)
 
     def wait_for_save(self) -> None:
         """Submit this step's stores (once per step)."""
@@ -226,6 +255,7 @@ class UMBPWorker:
             log.error("umbp-redis transfer failed unexpectedly: %r", exc)
 
     def _plan(self, plan: BlockTransferPlan, request_id: str) -> BlockTransferPlan:
+        """Key, size and layout of one block; the copier lowers the ranges per batch."""
         key = self.codec.key(plan.block_hash, plan.group_id)
         return self.planner.plan_for_block(
             key,
@@ -234,6 +264,7 @@ class UMBPWorker:
             group_id=plan.group_id,
             request_id=request_id,
             block_hash=plan.block_hash,
+            lower=False,
         )
 
     # -- stores -----------------------------------------------------------------------
@@ -256,11 +287,18 @@ class UMBPWorker:
                 log.debug("staging full: dropped %d block stores", len(plans))
                 self._report_store(batch.event_id, frozenset(p.key for p in plans))
                 continue
-            for plan, slot in zip(plans, slots, strict=True):
-                self.copier.gather(plan, self.staging.tensor(slot))
-            # The source blocks may be reused from now on: report the event.
+            try:
+                gathered = self.copier.gather(_copy_plan(plans, slots))
+            except Exception as e:  # a copy bug drops the store, never the engine
+                log.error("umbp-redis: gather of %d blocks failed: %r", len(plans), e)
+                self.staging.release(slots)
+                self.stats.add(store_failures=len(plans))
+                self._report_store(batch.event_id, frozenset(p.key for p in plans))
+                continue
+            # The source blocks may be reused from now on (on GPU the engine's stream
+            # waits for the gather): report the event.
             self._report_store(batch.event_id, frozenset())
-            self._track(self._stores.submit(self._write, plans, slots))
+            self._track(self._stores.submit(self._write, plans, slots, gathered))
 
     def _report_store(self, event_id: int, failed: frozenset[str]) -> None:
         with self._lock:
@@ -268,10 +306,18 @@ class UMBPWorker:
             res = StoreEventResult(event_id, 1, failed)
             self._store_reports[event_id] = prev.merge(res) if prev else res
 
-    def _write(self, plans: list[BlockTransferPlan], slots: list[int]) -> None:
+    def _write(
+        self, plans: list[BlockTransferPlan], slots: list[int], gathered: CopyHandle
+    ) -> None:
         assert self.staging is not None
         t0 = time.perf_counter()
         try:
+            try:
+                gathered.wait()  # the staging bytes are complete only after the copy
+            except Exception as e:
+                log.error("umbp-redis: gather of %d blocks failed: %r", len(plans), e)
+                self.stats.add(store_failures=len(plans))
+                return
             for fp, idx in _by_fingerprint(plans).items():
                 items = [
                     (plans[i].key, self.staging.array(slots[i])[: plans[i].object_size])
@@ -294,7 +340,7 @@ class UMBPWorker:
 
     # -- loads ------------------------------------------------------------------------
 
-    def _run_load(self, batch: BlockLoadBatch, report: bool) -> None:
+    def _run_load(self, batch: BlockLoadBatch, report: bool, after: object | None) -> None:
         t0 = time.perf_counter()
         failed: set[int] = set()
         slots: list[int] | None = None
@@ -324,14 +370,17 @@ class UMBPWorker:
                 # out; remove it so the next store replaces it.
                 log.warning("umbp-redis: %d invalid objects removed (recomputing)", len(invalid))
                 self.dp.delete(invalid)
-            nbytes = 0
-            for plan, slot, st in zip(plans, slots, statuses, strict=True):
-                if st is LoadStatus.LOADED:
-                    copier.scatter(plan, staging.tensor(slot))
-                    nbytes += plan.object_size
-                else:
-                    failed.add(plan.block_id)
-            self.stats.add(blocks_loaded=len(plans) - len(failed), bytes_loaded=nbytes)
+            loaded = [i for i, st in enumerate(statuses) if st is LoadStatus.LOADED]
+            failed = {
+                p.block_id for i, p in enumerate(plans) if statuses[i] is not LoadStatus.LOADED
+            }
+            if loaded:
+                # The request is reported finished only after the bytes are in its blocks.
+                copier.scatter(
+                    _copy_plan([plans[i] for i in loaded], [slots[i] for i in loaded]), after
+                ).wait()
+            nbytes = sum(plans[i].object_size for i in loaded)
+            self.stats.add(blocks_loaded=len(loaded), bytes_loaded=nbytes)
         except Exception as e:  # never let a transfer bug reach the engine: recompute instead
             log.error("umbp-redis load of %s failed: %r", batch.request_id, e)
             failed = set(batch.block_ids)

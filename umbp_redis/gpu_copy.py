@@ -1,0 +1,207 @@
+"""GPU gather/scatter between CUDA KV blocks and pinned host staging, with a CuPy kernel.
+
+``CupyBlockCopier`` moves a whole batch with one launch of ``umbp_copy_chunks``
+(``block_copy.cu``) per cache group, with no Python loop over regions:
+
+- each group's ``KVRangeTemplate`` is split into chunks of at most ``chunk_bytes`` and
+  uploaded to the device once; a launch gets only the batch's (block id, slot) pairs;
+- the kernel reads and writes pinned staging directly (unified addressing);
+- gathers run on a store stream that first waits on an event recorded on the engine's
+  stream (so they read what the forward pass wrote), and the engine's stream then waits
+  on the gather's event (so a freed block is not overwritten before it is read);
+- scatters run on a load stream after the ``engine_point`` event the worker recorded
+  when it started the load; their handle's ``wait`` returns once the bytes are in.
+
+Importing this module needs no CuPy: it is imported when the copier is built, and a
+missing CuPy or a kernel that does not compile raises ``CopyBackendUnavailable``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import torch
+
+from umbp_redis.block_copy import CopyBackendUnavailable
+from umbp_redis.cpu_copy import check_entry
+from umbp_redis.data import KVRangeTemplate, StagingCopyPlan
+from umbp_redis.staging import StagingPool
+
+KERNEL_FILE = "block_copy.cu"
+KERNEL_NAME = "umbp_copy_chunks"
+# Longest piece one CTA copies: splits a 2 MiB object over 128 CTAs.
+CHUNK_BYTES = 16 * 1024
+THREADS_PER_CTA = 256
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (entries per launch)
+
+
+def kernel_source() -> str:
+    """The CUDA C++ source of the copy kernel shipped with the package."""
+    return resources.files("umbp_redis").joinpath(KERNEL_FILE).read_text()
+
+
+def chunk_table(template: KVRangeTemplate, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
+    """The kernel's chunk table of ``template``: int64 of shape (4, n_chunks).
+
+    Rows: engine address of block 0, block stride, object offset, length.
+    """
+    chunks = template.chunked(chunk_bytes)
+    return np.array(
+        [chunks.engine_bases, chunks.block_strides, chunks.object_offsets, chunks.lengths],
+        dtype=np.int64,
+    ).reshape(4, len(chunks))
+
+
+def launch_entries(block_ids: tuple[int, ...], slots: tuple[int, ...]) -> np.ndarray:
+    """One launch's (block id, slot) pairs as the kernel reads them: int32 (2, n)."""
+    return np.array([block_ids, slots], dtype=np.int32).reshape(2, len(block_ids))
+
+
+class EventHandle:
+    """A copy ordered before ``event`` on a CUDA stream."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        """Block (without spinning) until the copy has completed."""
+        self.event.synchronize()
+
+
+class CupyBlockCopier:
+    """``BlockCopier`` for CUDA KV tensors and pinned staging; see the module doc."""
+
+    name = "cupy"
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        templates: Mapping[int, KVRangeTemplate],
+        staging: StagingPool,
+        num_blocks: int,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        threads_per_cta: int = THREADS_PER_CTA,
+    ) -> None:
+        try:
+            import cupy
+        except Exception as e:  # ImportError, or a CuPy built for another CUDA
+            raise CopyBackendUnavailable(f"CuPy is not importable ({e!r})") from None
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise CopyBackendUnavailable(
+                f"the KV cache must lie on one CUDA device, found {sorted(map(str, devices))}"
+            )
+        if not staging.buffer.is_pinned():
+            raise CopyBackendUnavailable("the staging pool is not pinned host memory")
+        index = next(iter(devices)).index
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self._cupy: Any = cupy
+        self._staging = staging
+        self._num_blocks = num_blocks
+        self._threads = threads_per_cta
+        with cupy.cuda.Device(self.device.index):
+            try:
+                module = cupy.RawModule(code=kernel_source(), options=("-std=c++17",))
+                self._kernel = module.get_function(KERNEL_NAME)
+            except Exception as e:
+                raise CopyBackendUnavailable(f"the copy kernel did not build ({e!r})") from None
+        self._streams = {
+            "store": torch.cuda.Stream(self.device),
+            "load": torch.cuda.Stream(self.device),
+        }
+        self._cupy_streams = {
+            k: cupy.cuda.ExternalStream(s.cuda_stream, self.device.index)
+            for k, s in self._streams.items()
+        }
+        self._tables: dict[int, tuple[torch.Tensor, int, int]] = {}
+        for gid, template in templates.items():
+            table = chunk_table(template, chunk_bytes)
+            self._tables[gid] = (
+                torch.from_numpy(table).to(self.device),
+                table.shape[1],
+                template.object_size,
+            )
+        # One launch sequence per stream at a time (stores on the engine's thread,
+        # loads on the load thread).
+        self._locks = {k: threading.Lock() for k in self._streams}
+
+    def engine_point(self) -> torch.cuda.Event:
+        """An event after the engine's work submitted so far on this thread's stream."""
+        self._refuse_capture()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def gather(self, plan: StagingCopyPlan) -> EventHandle:
+        """Launch the gather after the engine's work so far; the engine then waits on it."""
+        engine = torch.cuda.current_stream(self.device)
+        ready = self.engine_point()
+        done = self._run("store", plan, ready, to_staging=True)
+        engine.wait_event(done)
+        return EventHandle(done)
+
+    def scatter(self, plan: StagingCopyPlan, after: object | None = None) -> EventHandle:
+        """Launch the scatter after ``after`` (an ``engine_point`` event, or None)."""
+        if after is not None and not isinstance(after, torch.cuda.Event):
+            raise TypeError(f"after must be an engine_point event, got {type(after).__name__}")
+        return EventHandle(self._run("load", plan, after, to_staging=False))
+
+    def _run(
+        self, direction: str, plan: StagingCopyPlan, after: Any, *, to_staging: bool
+    ) -> torch.cuda.Event:
+        groups = plan.by_group()
+        for gid, (blocks, slots) in groups.items():
+            if gid not in self._tables:
+                raise ValueError(f"no range template for cache group {gid}")
+            object_size = self._tables[gid][2]
+            for bid, slot in zip(blocks, slots, strict=True):
+                check_entry(bid, slot, self._num_blocks, self._staging, object_size)
+        stream = self._streams[direction]
+        done = torch.cuda.Event(blocking=True)
+        with self._locks[direction], torch.cuda.device(self.device):
+            if after is not None:
+                stream.wait_event(after)
+            for gid, (blocks, slots) in groups.items():
+                for start in range(0, len(blocks), MAX_GRID_Y):
+                    stop = start + MAX_GRID_Y
+                    self._launch(direction, gid, blocks[start:stop], slots[start:stop], to_staging)
+            done.record(stream)
+        return done
+
+    def _launch(
+        self,
+        direction: str,
+        gid: int,
+        blocks: tuple[int, ...],
+        slots: tuple[int, ...],
+        to_staging: bool,
+    ) -> None:
+        cupy = self._cupy
+        table, n_chunks, _ = self._tables[gid]
+        stream = self._streams[direction]
+        with torch.cuda.stream(stream):
+            # Allocated on the copy stream: the caching allocators reuse both buffers
+            # only after this stream's later work, so dropping them after the launch is
+            # safe; the pinned upload does not block the calling thread.
+            entries = torch.from_numpy(launch_entries(blocks, slots)).pin_memory()
+            entries = entries.to(self.device, non_blocking=True)
+        args = (
+            np.uint64(table.data_ptr()),
+            np.int32(n_chunks),
+            np.uint64(entries.data_ptr()),
+            np.int32(len(blocks)),
+            np.uint64(self._staging.buffer.data_ptr()),
+            np.int64(self._staging.slot_bytes),
+            np.int32(1 if to_staging else 0),
+        )
+        with cupy.cuda.Device(self.device.index), self._cupy_streams[direction]:
+            self._kernel((n_chunks, len(blocks)), (self._threads,), args)
+
+    def _refuse_capture(self) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("umbp-redis copies cannot run inside CUDA graph capture")
