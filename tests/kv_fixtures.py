@@ -83,25 +83,3 @@ def plain_config(
         kv_cache_tensors=tensors,
         kv_cache_groups=[KVCacheGroupSpec(layer_names=list(layers), kv_cache_spec=spec)],
     )
-
-
-def fill_random(caches: dict[str, torch.Tensor], seed: int = 0) -> None:
-    """Random bytes in every storage behind ``caches``."""
-    g = torch.Generator().manual_seed(seed)
-    seen = set()
-    for t in caches.values():
-        st = t.untyped_storage()
-        if st.data_ptr() in seen:
-            continue
-        seen.add(st.data_ptr())
-        flat = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),))
-        flat.copy_(torch.randint(0, 256, (st.nbytes(),), dtype=torch.uint8, generator=g))
-
-
-def page_bytes(tensor: torch.Tensor, block: int, num_blocks: int) -> torch.Tensor:
-    """Reference: the page of ``block`` as bytes in memory order, computed independently."""
-    bdim = 1 if tensor.dim() == 5 and tensor.shape[0] == 2 else 0
-    ratio = tensor.shape[bdim] // num_blocks
-    page = tensor.narrow(bdim, block * ratio, ratio)
-    order = sorted(range(page.dim()), key=lambda d: page.stride(d), reverse=True)
-    return page.permute(order).contiguous().view(-1).view(torch.uint8)

@@ -130,10 +130,12 @@ def zeroed_clone(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def page_bytes(tensor: torch.Tensor, block: int) -> torch.Tensor:
-    """Reference: the page of ``block`` (block dim 0, or 1 for 5-D K/V-outer) as bytes in
-    memory order, computed independently of the planner."""
+def page_bytes(tensor: torch.Tensor, block: int, num_blocks: int | None = None) -> torch.Tensor:
+    """Reference: the page of ``block`` as bytes in memory order (on the CPU), computed
+    independently of the planner. The block dim is 0, or 1 for 5-D K/V-outer tensors;
+    with ``num_blocks``, a block spans ``shape[dim] // num_blocks`` kernel blocks."""
     bdim = 1 if tensor.dim() == 5 and tensor.shape[0] == 2 else 0
-    page = tensor.select(bdim, block)
+    ratio = tensor.shape[bdim] // num_blocks if num_blocks else 1
+    page = tensor.narrow(bdim, block * ratio, ratio)
     order = sorted(range(page.dim()), key=lambda d: page.stride(d), reverse=True)
     return page.permute(order).contiguous().view(-1).view(torch.uint8).cpu()

@@ -75,3 +75,11 @@ def test_image_installs_this_repository() -> None:
     assert svc["build"]["dockerfile"] == "docker/vllm.Dockerfile"
     dockerfile = (ROOT / "docker" / "vllm.Dockerfile").read_text()
     assert "vllm/vllm-openai" in dockerfile and "COPY umbp_redis" in dockerfile
+
+
+def test_engine_image_installs_cupy_and_ships_the_kernel_source() -> None:
+    text = (ROOT / "docker" / "vllm.Dockerfile").read_text()
+    assert "ARG CUPY_PACKAGE=cupy-cuda12x" in text and '"${CUPY_PACKAGE}>=13"' in text
+    # The image checks that the installed package carries the kernel's source.
+    assert "block_copy.cu" in text
+    assert (ROOT / "umbp_redis" / "block_copy.cu").is_file()

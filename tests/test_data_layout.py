@@ -2,36 +2,15 @@
 
 from __future__ import annotations
 
+import layout_cases
 import pytest
 import torch
-from kv_fixtures import (
-    LAYERS,
-    attn_spec,
-    fill_random,
-    mla_spec,
-    page_bytes,
-    plain_config,
-    vllm_layout_caches,
-)
+from kv_fixtures import LAYERS, attn_spec, mla_spec, plain_config, vllm_layout_caches
+from layout_cases import fill_random, page_bytes, zeroed_clone
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from umbp_redis.cpu_copy import CpuBlockCopier, PlanOutOfBounds
 from umbp_redis.data import KVLayoutError, KVLayoutPlanner, KVRange
-
-
-def _clone_caches(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Zeroed copies of the caches with the same shapes and strides (a second engine)."""
-    storages: dict[int, torch.Tensor] = {}
-    out = {}
-    for name, t in caches.items():
-        st = t.untyped_storage()
-        if st.data_ptr() not in storages:
-            storages[st.data_ptr()] = torch.zeros(st.nbytes(), dtype=torch.uint8)
-        buf = storages[st.data_ptr()]
-        out[name] = torch.empty(0, dtype=t.dtype).set_(
-            buf.untyped_storage(), t.storage_offset(), t.shape, t.stride()
-        )
-    return out
 
 
 def _round_trip(cfg, caches, num_blocks, src_block=3, dst_block=5):  # type: ignore[no-untyped-def]
@@ -48,7 +27,7 @@ def _round_trip(cfg, caches, num_blocks, src_block=3, dst_block=5):  # type: ign
     )
     assert torch.equal(staging, expected)
 
-    other = _clone_caches(caches)
+    other = zeroed_clone(caches)
     planner2 = KVLayoutPlanner(cfg)
     bases2 = planner2.register_kv_caches(other)
     assert planner2.layout(0).fingerprint == layout.fingerprint
@@ -131,20 +110,12 @@ def test_mla_3d_latents() -> None:
 
 def test_strided_views_into_one_shared_tensor() -> None:
     """Layers interleaved block by block in one buffer (block stride = all layers' pages)."""
-    nb, bs, h, hs = 6, 16, 2, 64
-    spec = attn_spec(block_size=bs, heads=h, head_size=hs)
-    page_elems = h * bs * 2 * hs
-    shared = torch.empty(nb * len(LAYERS) * page_elems, dtype=torch.bfloat16)
-    caches = {
-        n: torch.as_strided(
-            shared,
-            (nb, h, bs, 2 * hs),
-            (len(LAYERS) * page_elems, bs * 2 * hs, 2 * hs, 1),
-            storage_offset=i * page_elems,
-        )
-        for i, n in enumerate(LAYERS)
-    }
-    cfg = plain_config(nb, spec, block_stride=len(LAYERS) * spec.page_size_bytes)
+    nb = 6
+    spec = attn_spec(block_size=16, heads=2, head_size=64)
+    _, caches = layout_cases.shared_strided("cpu", nb)
+    cfg = plain_config(
+        nb, spec, layers=layout_cases.LAYERS, block_stride=len(caches) * spec.page_size_bytes
+    )
     planner, plan = _round_trip(cfg, caches, nb)
     assert len(plan.ranges) == 1  # the block's pages of all layers are adjacent
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_fixtures import attn_spec, fill_random, page_bytes, vllm_layout_caches
+from kv_fixtures import attn_spec, vllm_layout_caches
+from layout_cases import fill_random, page_bytes
 from test_data_identity import make_vllm_config
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -45,6 +46,23 @@ def step(w: UMBPWorker, meta: UMBPConnectorMetadata) -> None:
     w.start_load_kv()
     w.wait_for_save()
     w.clear()
+
+
+def stored_source(
+    model_config: ModelConfig, url: str, block_hash: bytes, block_id: int, seed: int
+) -> tuple[UMBPWorker, dict]:  # type: ignore[type-arg]
+    """A worker whose random KV block ``block_id`` has been stored under ``block_hash``."""
+    src, caches = make_worker(model_config, url)
+    fill_random(caches, seed=seed)
+    step(
+        src,
+        UMBPConnectorMetadata(
+            stores=[BlockStoreBatch("r1", (block_hash,), (block_id,), (0,), event_id=1)]
+        ),
+    )
+    while not src.idle():
+        time.sleep(0.01)
+    return src, caches
 
 
 def wait_loaded(w: UMBPWorker, rid: str) -> set[int]:
@@ -113,11 +131,7 @@ def test_full_staging_drops_stores_but_reports_the_event(
 
 
 def test_cancelled_load_is_not_scattered(model_config: ModelConfig, redis_url: str) -> None:
-    src, caches = make_worker(model_config, redis_url)
-    fill_random(caches, seed=2)
-    step(src, UMBPConnectorMetadata(stores=[BlockStoreBatch("r1", (H1,), (3,), (0,), event_id=1)]))
-    while not src.idle():
-        time.sleep(0.01)
+    src, caches = stored_source(model_config, redis_url, H1, 3, seed=2)
     dst, dst_caches = make_worker(model_config, redis_url)
     dst.bind(UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H1,), (6,), (0,))]))
     with dst._lock:  # the scheduler preempts r2 before its load lands
@@ -209,11 +223,7 @@ def test_store_sends_only_after_its_gather_completes(
 def test_load_finishes_only_after_its_scatter_completes(
     model_config: ModelConfig, redis_url: str
 ) -> None:
-    src, src_caches = make_worker(model_config, redis_url)
-    fill_random(src_caches, seed=9)
-    step(src, UMBPConnectorMetadata(stores=[BlockStoreBatch("r1", (H2,), (7,), (0,), event_id=1)]))
-    while not src.idle():
-        time.sleep(0.01)
+    src, src_caches = stored_source(model_config, redis_url, H2, 7, seed=9)
 
     dst, dst_caches = make_worker(model_config, redis_url)
     gated = _gate(dst)
@@ -259,14 +269,25 @@ def test_failed_gather_drops_the_store_and_frees_staging(
 def test_failed_scatter_makes_the_blocks_recompute(
     model_config: ModelConfig, redis_url: str
 ) -> None:
-    src, src_caches = make_worker(model_config, redis_url)
-    fill_random(src_caches, seed=3)
-    step(src, UMBPConnectorMetadata(stores=[BlockStoreBatch("r1", (H3,), (4,), (0,), event_id=1)]))
-    while not src.idle():
-        time.sleep(0.01)
+    src, src_caches = stored_source(model_config, redis_url, H3, 4, seed=3)
     dst, _ = make_worker(model_config, redis_url)
     gated = _gate(dst, "wait")
     gated.gate.set()
     step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H3,), (8,), (0,))]))
     assert wait_loaded(dst, "r2") == {8}
     assert dst.staging is not None and dst.staging.free_slots == dst.staging.num_slots
+
+
+def test_load_without_an_engine_point_is_recomputed(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    w, caches = make_worker(model_config, redis_url)
+    gated = _gate(w)
+
+    def no_point() -> object:
+        raise RuntimeError("cannot record an event now")
+
+    gated.engine_point = no_point  # type: ignore[method-assign]
+    step(w, UMBPConnectorMetadata(loads=[BlockLoadBatch("r9", (H1, H2), (5, 6), (0, 0))]))
+    assert wait_loaded(w, "r9") == {5, 6}
+    assert gated.scatter_after == []  # nothing was scattered

@@ -5,7 +5,8 @@
 
 - each group's ``KVRangeTemplate`` is split into chunks of at most ``chunk_bytes`` and
   uploaded to the device once; a launch gets only the batch's (block id, slot) pairs;
-- the kernel reads and writes pinned staging directly (unified addressing);
+- the kernel reads and writes pinned staging directly, at the device address CUDA
+  reports for it (the host address itself under unified addressing);
 - gathers run on a store stream that first waits on an event recorded on the engine's
   stream (so they read what the forward pass wrote), and the engine's stream then waits
   on the gather's event (so a freed block is not overwritten before it is read);
@@ -61,6 +62,21 @@ def launch_entries(block_ids: tuple[int, ...], slots: tuple[int, ...]) -> np.nda
     return np.array([block_ids, slots], dtype=np.int32).reshape(2, len(block_ids))
 
 
+def _device_address(cupy: Any, host_address: int) -> int:
+    """Where kernels reach pinned host memory at ``host_address``; raises
+    ``CopyBackendUnavailable`` when it is not mapped for the device."""
+    runtime = cupy.cuda.runtime
+    try:
+        attrs = runtime.pointerGetAttributes(host_address)
+        device_address = int(attrs.devicePointer)
+        is_host = attrs.type == getattr(runtime, "memoryTypeHost", 1)
+    except Exception as e:
+        raise CopyBackendUnavailable(f"cannot map the staging memory ({e!r})") from None
+    if not is_host or not device_address:
+        raise CopyBackendUnavailable("the staging memory is not mapped for the device")
+    return device_address
+
+
 class EventHandle:
     """A copy ordered before ``event`` on a CUDA stream."""
 
@@ -102,6 +118,7 @@ class CupyBlockCopier:
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self._cupy: Any = cupy
         self._staging = staging
+        self._staging_device_address = _device_address(cupy, staging.buffer.data_ptr())
         self._num_blocks = num_blocks
         self._threads = threads_per_cta
         with cupy.cuda.Device(self.device.index):
@@ -195,7 +212,7 @@ class CupyBlockCopier:
             np.int32(n_chunks),
             np.uint64(entries.data_ptr()),
             np.int32(len(blocks)),
-            np.uint64(self._staging.buffer.data_ptr()),
+            np.uint64(self._staging_device_address),
             np.int64(self._staging.slot_bytes),
             np.int32(1 if to_staging else 0),
         )

@@ -222,7 +222,13 @@ class UMBPWorker:
         if meta is None or not meta.loads:
             return
         # Scatters into the destination blocks go after the engine's work so far.
-        after = self.copier.engine_point() if self.copier is not None else None
+        try:
+            after = self.copier.engine_point() if self.copier is not None else None
+        except Exception as e:  # without the ordering point, recompute instead of loading
+            log.error("umbp-redis: cannot order loads after the engine's work: %r", e)
+            for batch in meta.loads:
+                self._fail_load(batch, meta.load_async)
+            return
         for batch in meta.loads:
             with self._lock:
                 self._cancelled.discard(batch.request_id)
@@ -394,6 +400,14 @@ class UMBPWorker:
                 self._load_errors |= failed
                 if report:
                     self._finished_loads.add(batch.request_id)
+
+    def _fail_load(self, batch: BlockLoadBatch, report: bool) -> None:
+        """Report every block of ``batch`` as not loaded (vLLM recomputes them)."""
+        self.stats.add(loads=1, load_failures=len(batch.block_ids))
+        with self._lock:
+            self._load_errors |= set(batch.block_ids)
+            if report:
+                self._finished_loads.add(batch.request_id)
 
     # -- reports ----------------------------------------------------------------------
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU check, for a machine with a CUDA device, torch and CuPy (no downloads, no
+# Redis, no vLLM; under 5 minutes): the `gpu` tests, then the copy micro-benchmark.
+# Results go to stdout, and to $OUT/ when OUT is set (the device tool's output folder).
+# Usage: scripts/gpu_check.sh   (PYTHON=... to pick the interpreter holding torch)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+DEST="${OUT:-$(mktemp -d)}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PY" - <<'PYEOF'
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch sees no CUDA device")
+import cupy
+print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, cupy {cupy.__version__}")
+PYEOF
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
+  --format=csv 2>/dev/null || true
+set +e
+timeout 240 "$PY" -m pytest -p no:cacheprovider -o addopts="" -q -rs -m gpu \
+  tests/test_gpu_copy.py 2>&1 | tee "$DEST/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+timeout 180 "$PY" benchmarks/gpu_copy_bench.py --json "$DEST/gpu_copy_bench.json" 2>&1 \
+  | tee "$DEST/gpu_copy_bench.log"
+bench_rc=${PIPESTATUS[0]}
+set -e
+echo "gpu_check: tests exit $tests_rc, benchmark exit $bench_rc (logs in $DEST)"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
