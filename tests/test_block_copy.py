@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import kernel_emulation
 import numpy as np
 import pytest
 import torch
@@ -213,22 +214,15 @@ def test_kernel_compiles_with_nvcc_for_hopper(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def emulated_kernel(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
+    lib = kernel_emulation.build(tmp_path_factory.mktemp("kernel"))
+    if lib is None:
         pytest.skip("no C++ compiler (g++) to build the kernel's CPU emulation")
-    lib = tmp_path_factory.mktemp("kernel") / "emulation.so"
-    subprocess.run(
-        [cxx, "-O2", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"]
-        + ["-I", str(PKG), "-o", str(lib), str(REPO / "tests" / "kernel_emulation.cpp")],
-        check=True,
-        timeout=300,
-    )
-    return ctypes.CDLL(str(lib))
+    return lib
 
 
 class EmulatedKernelCopier:
-    """The GPU copier's host side (chunk tables, launch entries, one launch per group)
-    with the kernel run by the CPU emulation instead of a device."""
+    """The GPU copier's host side (chunk tables, launch entries, one launch per group,
+    the kernel's argument tuple) with the kernel run by the CPU emulation."""
 
     def __init__(
         self,
@@ -248,19 +242,16 @@ class EmulatedKernelCopier:
         for gid, (blocks, slots) in plan.by_group().items():
             table = self.tables[gid]
             entries = np.ascontiguousarray(launch_entries(blocks, slots))
-            n_chunks = table.shape[1]
-            self.lib.umbp_emulate_launch(
-                ctypes.c_uint(n_chunks),
-                ctypes.c_uint(len(blocks)),
-                ctypes.c_uint(self.threads),
-                ctypes.c_void_p(table.ctypes.data),
-                ctypes.c_int(n_chunks),
-                ctypes.c_void_p(entries.ctypes.data),
-                ctypes.c_int(len(blocks)),
-                ctypes.c_void_p(self.pool.buffer.data_ptr()),
-                ctypes.c_longlong(self.pool.slot_bytes),
-                ctypes.c_int(int(to_staging)),
+            args = (
+                np.uint64(table.ctypes.data),
+                np.int32(table.shape[1]),
+                np.uint64(entries.ctypes.data),
+                np.int32(len(blocks)),
+                np.uint64(self.pool.buffer.data_ptr()),
+                np.int64(self.pool.slot_bytes),
+                np.int32(int(to_staging)),
             )
+            kernel_emulation.launch(self.lib, (table.shape[1], len(blocks)), (self.threads,), args)
             self.launches += 1
 
 

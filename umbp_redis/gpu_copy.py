@@ -139,7 +139,7 @@ class CupyBlockCopier:
         for gid, template in templates.items():
             table = chunk_table(template, chunk_bytes)
             self._tables[gid] = (
-                torch.from_numpy(table).to(self.device),
+                self._upload(table),
                 table.shape[1],
                 template.object_size,
             )
@@ -202,11 +202,7 @@ class CupyBlockCopier:
         table, n_chunks, _ = self._tables[gid]
         stream = self._streams[direction]
         with torch.cuda.stream(stream):
-            # Allocated on the copy stream: the caching allocators reuse both buffers
-            # only after this stream's later work, so dropping them after the launch is
-            # safe; the pinned upload does not block the calling thread.
-            entries = torch.from_numpy(launch_entries(blocks, slots)).pin_memory()
-            entries = entries.to(self.device, non_blocking=True)
+            entries = self._upload(launch_entries(blocks, slots), non_blocking=True)
         args = (
             np.uint64(table.data_ptr()),
             np.int32(n_chunks),
@@ -218,6 +214,18 @@ class CupyBlockCopier:
         )
         with cupy.cuda.Device(self.device.index), self._cupy_streams[direction]:
             self._kernel((n_chunks, len(blocks)), (self._threads,), args)
+
+    def _upload(self, array: np.ndarray, non_blocking: bool = False) -> torch.Tensor:
+        """``array`` in device memory, allocated on the calling thread's current stream.
+
+        Non-blocking uploads go through pinned memory. Both caching allocators reuse
+        these buffers only after the stream's later work, so dropping the tensor right
+        after the launch that reads it is safe, and the caller does not wait.
+        """
+        host = torch.from_numpy(array)
+        if non_blocking:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=non_blocking)
 
     def _refuse_capture(self) -> None:
         if torch.cuda.is_current_stream_capturing():
