@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ def main() -> None:
     for t in caches.values():
         t.view(torch.int16).random_()
     spec = SimpleNamespace(page_size_bytes=2 * 16 * 8 * 128 * 2, dtype=torch.bfloat16)
-    cfg = SimpleNamespace(
+    cfg: Any = SimpleNamespace(
         num_blocks=nb,
         kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
         kv_cache_tensors=[],

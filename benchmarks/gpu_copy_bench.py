@@ -59,7 +59,7 @@ def build_cache(layers: int, num_blocks: int, block_size: int, heads: int, head_
     spec = SimpleNamespace(
         page_size_bytes=2 * block_size * heads * head_size * 2, dtype=torch.bfloat16
     )
-    cfg = SimpleNamespace(
+    cfg: Any = SimpleNamespace(
         num_blocks=num_blocks,
         kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
         kv_cache_tensors=[],

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 LAYERS = ("layers.0.attn", "layers.1.attn", "layers.2.attn")
-Case = tuple[SimpleNamespace, dict[str, torch.Tensor]]
+Case = tuple[Any, dict[str, torch.Tensor]]  # (a KVCacheConfig look-alike, caches)
 
 
 def _config(
     num_blocks: int, page_bytes: int | None, dtype: torch.dtype, block_stride: int | None = None
-) -> SimpleNamespace:
+) -> Any:
     spec = SimpleNamespace(page_size_bytes=page_bytes, dtype=dtype)
     tensors = []
     if block_stride is not None:
@@ -97,7 +98,7 @@ CASES: dict[str, Callable[[str], Case]] = {
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     st = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),))
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
 
 
 def storages(caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -103,6 +103,7 @@ class FakeCuda:
         self.engine = Stream(name="engine")
         self.streams_by_ptr: dict[int, Any] = {}
         self.fail_build = False
+        self.build_options: tuple[str, ...] = ()
         self.memory_type = 1  # cudaMemoryTypeHost
         self.cupy = SimpleNamespace(
             RawModule=RawModule,
@@ -197,9 +198,8 @@ def _setup(case: str, slots: int = 4, **kw: Any) -> tuple[Any, ...]:
     templates = {g: planner.range_template(g, bases) for g in planner.layouts}
     size = templates[0].object_size
     pool = StagingPool(size, slots * size)
-    copier = CupyBlockCopier(
-        _on_cuda(caches), templates, PinnedPool(pool), planner.num_blocks, **kw
-    )  # type: ignore[arg-type]
+    pinned: Any = PinnedPool(pool)
+    copier = CupyBlockCopier(_on_cuda(caches), templates, pinned, planner.num_blocks, **kw)
     return planner, templates, caches, pool, copier
 
 
@@ -235,7 +235,7 @@ def test_scatter_waits_for_the_engine_point_then_reports_its_own_event(fake: Fak
     t2 = {0: p2.range_template(0, p2.register_kv_caches(other))}
     dst = CupyBlockCopier(_on_cuda(other), t2, PinnedPool(pool), p2.num_blocks)  # type: ignore[arg-type]
     fake.log.clear()
-    point = dst.engine_point()
+    point: Any = dst.engine_point()
     handle = dst.scatter(StagingCopyPlan((0, 0), (5, 1), (0, 1)), after=point)
     load = fake.stream_named("load")
     assert fake.log[0] == ("record", point.name, "engine")

@@ -113,8 +113,8 @@ class TorchBlockCopier:
         self._staging = staging
         self._num_blocks = num_blocks
 
-    def engine_point(self) -> None:
-        """Copies are synchronous: nothing to order against."""
+    def engine_point(self) -> object | None:
+        """Copies are synchronous: nothing to order against (None)."""
         return None
 
     def gather(self, plan: StagingCopyPlan) -> DoneHandle:
