@@ -72,6 +72,17 @@ def fake_redis():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def emulated_kernel(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The copy kernel's source built for the CPU (``tests/kernel_emulation.py``)."""
+    import kernel_emulation
+
+    lib = kernel_emulation.build(tmp_path_factory.mktemp("kernel"))
+    if lib is None:
+        pytest.skip("no C++ compiler (g++) to build the kernel's CPU emulation")
+    return lib
+
+
+@pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """A random tiny Llama with its tokenizer, built locally once and reused."""
     from umbp_redis.tiny_model import build_tiny_llama

@@ -212,14 +212,6 @@ def test_kernel_compiles_with_nvcc_for_hopper(tmp_path: Path) -> None:
     assert KERNEL_NAME.encode() in out.read_bytes()
 
 
-@pytest.fixture(scope="module")
-def emulated_kernel(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    lib = kernel_emulation.build(tmp_path_factory.mktemp("kernel"))
-    if lib is None:
-        pytest.skip("no C++ compiler (g++) to build the kernel's CPU emulation")
-    return lib
-
-
 class EmulatedKernelCopier:
     """The GPU copier's host side (chunk tables, launch entries, one launch per group,
     the kernel's argument tuple) with the kernel run by the CPU emulation."""

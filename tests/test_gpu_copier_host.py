@@ -170,17 +170,9 @@ class PinnedPool:
         self.buffer = SimpleNamespace(is_pinned=lambda: True, data_ptr=pool.buffer.data_ptr)
 
 
-@pytest.fixture(scope="module")
-def emulation(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    lib = kernel_emulation.build(tmp_path_factory.mktemp("kernel"))
-    if lib is None:
-        pytest.skip("no C++ compiler (g++) to build the kernel's CPU emulation")
-    return lib
-
-
 @pytest.fixture
-def fake(emulation: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    f = FakeCuda(emulation)
+def fake(emulated_kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    f = FakeCuda(emulated_kernel)
     f.install(monkeypatch)
     return f
 
