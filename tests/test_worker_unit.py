@@ -142,12 +142,14 @@ def test_cancelled_load_is_not_scattered(model_config: ModelConfig, redis_url: s
 
 
 class GatedCopier:
-    """The worker's own copier, but a copy happens only when ``wait`` is called and the
-    test has opened the gate: like a GPU copy that is still running on its stream.
+    """The worker's own copier, but a copy happens only once the test has opened the
+    gate: like a GPU copy still running on its stream. The handle runs the copy the
+    first time ``wait`` or ``done`` finds the gate open, and ``done`` never blocks.
 
     A worker that sent staging bytes before waiting for the gather would store zeros,
-    and one that reported a load before waiting for the scatter would be caught with
-    the destination still empty.
+    one that unpinned source blocks before the gather read them would store what the
+    engine wrote next, and one that reported a load before waiting for the scatter
+    would be caught with the destination still empty.
     """
 
     name = "gated"
@@ -166,13 +168,26 @@ class GatedCopier:
 
     def _handle(self, copy):  # type: ignore[no-untyped-def]
         gate, fail = self.gate, self.fail
+        lock, copied = threading.Lock(), []
 
         class Handle:
-            def wait(self) -> None:
-                assert gate.wait(10), "the test never opened the gate"
+            def _finish(self) -> None:
                 if fail == "wait":
                     raise RuntimeError("device copy failed")
-                copy()
+                with lock:
+                    if not copied:
+                        copy()
+                        copied.append(True)
+
+            def wait(self) -> None:
+                assert gate.wait(10), "the test never opened the gate"
+                self._finish()
+
+            def done(self) -> bool:
+                if not gate.is_set():
+                    return False
+                self._finish()
+                return True
 
         return Handle()
 
@@ -199,15 +214,20 @@ def test_store_sends_only_after_its_gather_completes(
 
     src, src_caches = make_worker(model_config, redis_url)
     fill_random(src_caches, seed=8)
+    want = {name: page_bytes(t, 5, NB).clone() for name, t in src_caches.items()}
     gated = _gate(src)
     step(src, UMBPConnectorMetadata(stores=[BlockStoreBatch("r1", (H1,), (5,), (0,), event_id=4)]))
-    # The event is reported at once (on GPU the engine's stream waits for the gather) ...
-    meta = src.build_worker_meta()
-    assert meta is not None and meta.store_results[4].failed_keys == frozenset()
     time.sleep(0.3)
     r = redis.Redis.from_url(redis_url)
-    assert r.dbsize() == 0 and not src.idle()  # ... but nothing is sent before the copy
+    assert r.dbsize() == 0 and not src.idle()  # nothing is sent before the copy ...
+    # ... and the source blocks stay pinned: no report while the gather runs, steps on.
+    assert src.build_worker_meta() is None
+    step(src, UMBPConnectorMetadata())
+    assert src.build_worker_meta() is None
     gated.gate.set()
+    meta = src.build_worker_meta()  # the first step that finds the gather done reports
+    assert meta is not None and meta.store_results[4].failed_keys == frozenset()
+    fill_random(src_caches, seed=80)  # the unpinned block is reused by the engine
     deadline = time.monotonic() + 10
     while not src.idle() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -217,7 +237,7 @@ def test_store_sends_only_after_its_gather_completes(
     step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H1,), (2,), (0,))]))
     assert wait_loaded(dst, "r2") == set()
     for name in src_caches:
-        assert torch.equal(page_bytes(dst_caches[name], 2, NB), page_bytes(src_caches[name], 5, NB))
+        assert torch.equal(page_bytes(dst_caches[name], 2, NB), want[name])
 
 
 def test_load_finishes_only_after_its_scatter_completes(
@@ -262,8 +282,8 @@ def test_failed_gather_drops_the_store_and_frees_staging(
     assert w.stats.totals["store_failures"] == 2
     assert w.staging is not None and w.staging.free_slots == w.staging.num_slots
     assert redis.Redis.from_url(redis_url).dbsize() == 0
-    if fail == "launch":  # known at once: the scheduler is told the keys failed
-        assert len(meta.store_results[6].failed_keys) == 2
+    # Either way the scheduler is told the keys failed, and unpins the blocks.
+    assert len(meta.store_results[6].failed_keys) == 2
 
 
 def test_failed_scatter_makes_the_blocks_recompute(

@@ -8,7 +8,10 @@ executors share the planner's ``KVRangeTemplate``s, so they move the same bytes:
 - ``TorchBlockCopier`` (``cpu_copy.py``): per-range torch copies, finished on return.
   The reference, used on CPU and on CUDA when CuPy is missing.
 - ``CupyBlockCopier`` (``gpu_copy.py``): one CUDA kernel launch per cache group and
-  batch on a copy stream of its own, ordered against the engine's stream by events.
+  batch on a copy stream of its own, ordered after the engine's work by events.
+
+A gather never holds up the engine: the caller keeps the source blocks from being
+written (the worker keeps the scheduler's pins on them) until its handle is ``done``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class CopyHandle(Protocol):
     def wait(self) -> None:
         """Block until the copy has completed; raise if it failed."""
 
+    def done(self) -> bool:
+        """Whether the copy has completed, without blocking; raise if it failed."""
+
 
 class BlockCopier(Protocol):
     """Moves whole blocks between the engine's KV tensors and staging slots."""
@@ -52,8 +58,8 @@ class BlockCopier(Protocol):
 
     def gather(self, plan: StagingCopyPlan) -> CopyHandle:
         """Copy the plan's engine blocks into its staging slots, after the engine's work
-        submitted so far (call on the engine's thread). The engine may overwrite the
-        source blocks as soon as this returns: later engine work waits for the copy."""
+        submitted so far (call on the engine's thread). Later engine work does not wait
+        for the copy: the source blocks must not be written until the handle is done."""
 
     def scatter(self, plan: StagingCopyPlan, after: object | None = None) -> CopyHandle:
         """Copy the plan's staging slots into its engine blocks, after ``after``."""
@@ -64,6 +70,10 @@ class DoneHandle:
 
     def wait(self) -> None:
         """Nothing to wait for."""
+
+    def done(self) -> bool:
+        """Always True."""
+        return True
 
 
 def make_block_copier(

@@ -8,8 +8,9 @@
 - the kernel reads and writes pinned staging directly, at the device address CUDA
   reports for it (the host address itself under unified addressing);
 - gathers run on a store stream that first waits on an event recorded on the engine's
-  stream (so they read what the forward pass wrote), and the engine's stream then waits
-  on the gather's event (so a freed block is not overwritten before it is read);
+  stream (so they read what the forward pass wrote); the engine's stream never waits
+  for them, so the next forward pass overlaps the copy (the worker keeps the source
+  blocks pinned until the gather's handle is ``done``);
 - scatters run on a load stream after the ``engine_point`` event the worker recorded
   when it started the load; their handle's ``wait`` returns once the bytes are in.
 
@@ -87,6 +88,10 @@ class EventHandle:
         """Block (without spinning) until the copy has completed."""
         self.event.synchronize()
 
+    def done(self) -> bool:
+        """Whether the copy has completed (a query of its event; never blocks)."""
+        return bool(self.event.query())
+
 
 class CupyBlockCopier:
     """``BlockCopier`` for CUDA KV tensors and pinned staging; see the module doc."""
@@ -155,12 +160,9 @@ class CupyBlockCopier:
         return event
 
     def gather(self, plan: StagingCopyPlan) -> EventHandle:
-        """Launch the gather after the engine's work so far; the engine then waits on it."""
-        engine = torch.cuda.current_stream(self.device)
+        """Launch the gather after the engine's work so far; the engine does not wait."""
         ready = self.engine_point()
-        done = self._run("store", plan, ready, to_staging=True)
-        engine.wait_event(done)
-        return EventHandle(done)
+        return EventHandle(self._run("store", plan, ready, to_staging=True))
 
     def scatter(self, plan: StagingCopyPlan, after: object | None = None) -> EventHandle:
         """Launch the scatter after ``after`` (an ``engine_point`` event, or None)."""

@@ -2,9 +2,10 @@
 
 Stores: the step's store batches are gathered into staging slots right after the
 forward pass (torch copies on CPU; one kernel launch per batch on a copy stream on GPU,
-which the engine's stream then waits on), their store events are reported at once so
-the scheduler can release the source blocks, and the Redis writes run on a transfer
-thread once the gather has completed.
+which the engine's later work does not wait for); each batch's store event is reported
+in the first step whose ``build_worker_meta`` finds its gather done (at once on CPU), so
+the scheduler keeps the source blocks pinned exactly as long as the copy reads them;
+the Redis writes run on a transfer thread once the gather has completed.
 Loads: each batch is read into staging slots and scattered into its destination blocks
 on a transfer thread (after the engine's work submitted when the load started); the
 request is reported finished when every block is terminal and its scatter has
@@ -151,6 +152,8 @@ class UMBPWorker:
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._store_reports: dict[int, StoreEventResult] = {}
+        # (event id, keys, gather) of launched gathers not yet reported (engine thread).
+        self._unreported_gathers: list[tuple[int, frozenset[str], CopyHandle]] = []
         self._cancelled: set[str] = set()
         self._futures: set[Any] = set()
         self.meta: UMBPConnectorMetadata | None = None
@@ -301,10 +304,30 @@ class UMBPWorker:
                 self.stats.add(store_failures=len(plans))
                 self._report_store(batch.event_id, frozenset(p.key for p in plans))
                 continue
-            # The source blocks may be reused from now on (on GPU the engine's stream
-            # waits for the gather): report the event.
-            self._report_store(batch.event_id, frozenset())
+            # The scheduler unpins the source blocks once the event is reported: only
+            # after the gather has read them.
+            keys = frozenset(p.key for p in plans)
+            self._unreported_gathers.append((batch.event_id, keys, gathered))
             self._track(self._stores.submit(self._write, plans, slots, gathered))
+        self._report_finished_gathers()
+
+    def _report_finished_gathers(self) -> None:
+        """Report the store events whose gathers are done, without blocking.
+
+        A gather that failed is reported with its keys failed (the store thread logs
+        and counts it). Runs on the engine's thread only.
+        """
+        pending = []
+        for event_id, keys, handle in self._unreported_gathers:
+            try:
+                if not handle.done():
+                    pending.append((event_id, keys, handle))
+                    continue
+                failed: frozenset[str] = frozenset()
+            except Exception:
+                failed = keys
+            self._report_store(event_id, failed)
+        self._unreported_gathers = pending
 
     def _report_store(self, event_id: int, failed: frozenset[str]) -> None:
         with self._lock:
@@ -424,7 +447,8 @@ class UMBPWorker:
         return errs
 
     def build_worker_meta(self) -> UMBPConnectorWorkerMetadata | None:
-        """This step's store-event reports."""
+        """The store-event reports since the last call (gathers found done now included)."""
+        self._report_finished_gathers()
         with self._lock:
             reports, self._store_reports = self._store_reports, {}
         return UMBPConnectorWorkerMetadata(reports) if reports else None
