@@ -173,6 +173,12 @@ def test_stores_complete_prompt_blocks_once_and_pins_until_reported(
     meta = s.build_connector_meta(_step(new=[("r1", ([5, 6, 7, 8],), 0)], sched={"r1": 200}))
     assert [list(b.block_ids) for b in meta.stores] == [[5]]
     assert pool.blocks[5].ref_cnt == 1 and s.pinned_blocks == 1
+    # Only the pin holds block 5 (as if its request had finished): its report will
+    # free it, so vLLM should wait for it rather than preempt; not while r1 holds it.
+    assert s.has_pending_block_frees()
+    pool.blocks[5].ref_cnt += 1
+    assert not s.has_pending_block_frees()
+    pool.blocks[5].ref_cnt -= 1
     meta2 = s.build_connector_meta(
         _step(cached=[("r1", None, 200)], sched={"r1": 3 * BS + 40 - 200})
     )
@@ -190,6 +196,7 @@ def test_stores_complete_prompt_blocks_once_and_pins_until_reported(
         )
     )
     assert s.pinned_blocks == 0 and all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not s.has_pending_block_frees()
 
 
 def test_blocks_already_in_redis_are_not_sent_again(model_config: ModelConfig) -> None:

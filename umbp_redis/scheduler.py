@@ -360,6 +360,19 @@ class UMBPScheduler:
         self._lookups.pop(request.request_id, None)
         return False, None
 
+    def has_pending_block_frees(self) -> bool:
+        """Whether a pending report will return blocks to the free pool.
+
+        True when some block is held by this connector's pins alone (its request has
+        finished or was preempted while its store or load was in flight): vLLM then
+        waits a step for the report instead of preempting a running request.
+        """
+        pinned = itertools.chain(
+            (b for ev in self.pinned.values() for b in ev.blocks),
+            (b for pins in self.load_pins.values() for b in pins),
+        )
+        return any(getattr(b, "ref_cnt", 0) == 1 for b in pinned)
+
     @property
     def pinned_blocks(self) -> int:
         """Blocks held for in-flight stores (0 when idle)."""
