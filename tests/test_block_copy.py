@@ -29,7 +29,7 @@ from umbp_redis.cpu_copy import TorchBlockCopier
 from umbp_redis.data import KVLayoutPlanner, KVRangeTemplate, StagingCopyPlan
 from umbp_redis.errors import ConfigError
 from umbp_redis.gpu_copy import KERNEL_NAME, chunk_table, kernel_source, launch_entries
-from umbp_redis.staging import StagingPool
+from umbp_redis.staging import StagingPool, staging_budget
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "umbp_redis"
@@ -160,6 +160,23 @@ def test_copiers_reject_blocks_and_slots_outside_their_bounds() -> None:
         TorchBlockCopier(caches, templates, small, planner.num_blocks).gather(
             StagingCopyPlan((0,), (1,), (0,))
         )
+
+
+def _pow2_ceil(n: int) -> int:
+    """What torch's pinned allocator reserves for an n-byte request."""
+    return 1 << (n - 1).bit_length()
+
+
+@pytest.mark.parametrize("max_bytes", [1 << 28, 3 << 30, (1 << 28) + 1, 10**9])
+@pytest.mark.parametrize("slot_bytes", [640 << 10, 2 << 20, 3 * 98304])
+def test_pinned_staging_stays_within_max_staging_bytes(max_bytes: int, slot_bytes: int) -> None:
+    budget = staging_budget(max_bytes, pinned=True)
+    slots = budget // slot_bytes
+    assert _pow2_ceil(slots * slot_bytes) <= max_bytes  # what is really pinned
+    assert budget > max_bytes // 2  # and at least half of what was allowed is used
+    assert staging_budget(max_bytes, pinned=False) == max_bytes
+    with pytest.raises(ValueError):
+        staging_budget(0, pinned=True)
 
 
 # -- backend selection --------------------------------------------------------------

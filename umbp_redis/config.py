@@ -142,7 +142,8 @@ OPTIONS: tuple[Option, ...] = (
         "max_staging_bytes",
         int,
         256 * MiB,
-        "Host staging memory per worker; stores that do not fit are dropped and counted.",
+        "Host staging memory per worker; stores that do not fit are dropped and counted. "
+        "Pinned (GPU) staging uses the largest power of two not above it.",
         minimum=1,
     ),
     Option(

@@ -14,6 +14,19 @@ import numpy as np
 import torch
 
 
+def staging_budget(max_bytes: int, *, pinned: bool) -> int:
+    """The bytes of slots to allocate so that the pool's memory stays within ``max_bytes``.
+
+    torch's pinned-memory allocator rounds every allocation up to a power of two, so a
+    pinned pool gets the largest power of two not above ``max_bytes`` (a pool of
+    ``max_bytes // slot_bytes`` slots within it then rounds up to at most that much);
+    unpinned memory is allocated as asked.
+    """
+    if max_bytes <= 0:
+        raise ValueError("max_bytes must be positive")
+    return 1 << (max_bytes.bit_length() - 1) if pinned else max_bytes
+
+
 class StagingPool:
     """``max_bytes // slot_bytes`` slots of ``slot_bytes`` each, in one allocation."""
 

@@ -41,7 +41,7 @@ from umbp_redis.data import (
     tp_replicated_group_ids,
 )
 from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus, shared_dataplane
-from umbp_redis.staging import StagingPool
+from umbp_redis.staging import StagingPool, staging_budget
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -175,7 +175,16 @@ class UMBPWorker:
         self.bases = self.planner.register_kv_caches(kv_caches)
         slot = max(lay.object_size for lay in self.planner.layouts.values())
         pin = any(t.is_cuda for t in kv_caches.values())
-        self.staging = StagingPool(slot, int(self.options["max_staging_bytes"]), pin_memory=pin)
+        max_bytes = int(self.options["max_staging_bytes"])
+        budget = staging_budget(max_bytes, pinned=pin)
+        if budget != max_bytes:
+            log.info(
+                "umbp-redis: pinned staging uses %d of max_staging_bytes=%d (pinned memory "
+                "is allocated in powers of two)",
+                budget,
+                max_bytes,
+            )
+        self.staging = StagingPool(slot, budget, pin_memory=pin)
         templates = {g: self.planner.range_template(g, self.bases) for g in self.planner.layouts}
         self.copier = make_block_copier(
             str(self.options["copy_backend"]),
