@@ -299,11 +299,12 @@ class UMBPWorker:
             if not plans or not self.can_store:
                 self._report_store(batch.event_id, frozenset())
                 continue
+            keys = frozenset(p.key for p in plans)
             slots = self.staging.acquire(len(plans))
             if slots is None:
                 self.stats.add(stores_dropped=len(plans))
                 log.debug("staging full: dropped %d block stores", len(plans))
-                self._report_store(batch.event_id, frozenset(p.key for p in plans))
+                self._report_store(batch.event_id, keys)
                 continue
             try:
                 gathered = self.copier.gather(_copy_plan(plans, slots))
@@ -311,11 +312,10 @@ class UMBPWorker:
                 log.error("umbp-redis: gather of %d blocks failed: %r", len(plans), e)
                 self.staging.release(slots)
                 self.stats.add(store_failures=len(plans))
-                self._report_store(batch.event_id, frozenset(p.key for p in plans))
+                self._report_store(batch.event_id, keys)
                 continue
             # The scheduler unpins the source blocks once the event is reported: only
             # after the gather has read them.
-            keys = frozenset(p.key for p in plans)
             self._unreported_gathers.append((batch.event_id, keys, gathered))
             self._track(self._stores.submit(self._write, plans, slots, gathered))
         self._report_finished_gathers()
