@@ -52,6 +52,8 @@ TAIL = """
   server costs no timeouts per step; then the next call reconnects.
 - `max_staging_bytes` bounds host memory per worker; size it to at least a step's stores
   (blocks per step x object size). Dropped stores are counted in the `stores_dropped` stat.
+  It must hold at least one object (workers log `group N object S bytes` at startup); less
+  fails startup with an error that names the option and the object size.
 """
 
 

@@ -179,6 +179,13 @@ def test_pinned_staging_stays_within_max_staging_bytes(max_bytes: int, slot_byte
         staging_budget(0, pinned=True)
 
 
+def test_staging_pool_never_exceeds_its_bytes() -> None:
+    assert StagingPool(100, 399).num_slots == 3
+    assert StagingPool(100, 100).num_slots == 1
+    with pytest.raises(ValueError, match="hold no 100-byte staging slot"):
+        StagingPool(100, 99)
+
+
 # -- backend selection --------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from umbp_redis.config import RedisSettings, validate_options
 from umbp_redis.data import BlockLoadBatch, BlockStoreBatch, UMBPConnectorMetadata
 from umbp_redis.dataplane import RedisDataPlane
+from umbp_redis.errors import ConfigError
 from umbp_redis.worker import UMBPWorker
 
 NB = 16
@@ -119,7 +120,11 @@ def test_sync_load_reports_errors_without_finished_ids(
 def test_full_staging_drops_stores_but_reports_the_event(
     model_config: ModelConfig, redis_url: str
 ) -> None:
-    w, caches = make_worker(model_config, redis_url, max_staging_bytes=1)  # one slot
+    probe, _ = make_worker(model_config, redis_url)
+    assert probe.staging is not None
+    one_slot = probe.staging.slot_bytes
+    w, caches = make_worker(model_config, redis_url, max_staging_bytes=one_slot)
+    assert w.staging is not None and w.staging.num_slots == 1
     fill_random(caches)
     step(
         w,
@@ -128,6 +133,16 @@ def test_full_staging_drops_stores_but_reports_the_event(
     meta = w.build_worker_meta()
     assert meta is not None and 3 in meta.store_results  # the scheduler can unpin
     assert w.stats.totals["stores_dropped"] == 2
+
+
+def test_staging_budget_below_one_object_is_a_config_error(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    probe, _ = make_worker(model_config, redis_url)
+    assert probe.staging is not None
+    size = probe.staging.slot_bytes
+    with pytest.raises(ConfigError, match=rf"max_staging_bytes.*{size - 1}.*at least {size}"):
+        make_worker(model_config, redis_url, max_staging_bytes=size - 1)
 
 
 def test_cancelled_load_is_not_scattered(model_config: ModelConfig, redis_url: str) -> None:

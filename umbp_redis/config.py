@@ -143,7 +143,8 @@ OPTIONS: tuple[Option, ...] = (
         int,
         256 * MiB,
         "Host staging memory per worker; stores that do not fit are dropped and counted. "
-        "Pinned (GPU) staging uses the largest power of two not above it.",
+        "Pinned (GPU) staging uses the largest power of two not above it. Startup fails "
+        "when it holds less than one object (the error gives the object size).",
         minimum=1,
     ),
     Option(

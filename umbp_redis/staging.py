@@ -28,13 +28,18 @@ def staging_budget(max_bytes: int, *, pinned: bool) -> int:
 
 
 class StagingPool:
-    """``max_bytes // slot_bytes`` slots of ``slot_bytes`` each, in one allocation."""
+    """``max_bytes // slot_bytes`` slots of ``slot_bytes`` each, in one allocation.
+
+    Raises ``ValueError`` when ``max_bytes`` holds no slot: the pool never exceeds it.
+    """
 
     def __init__(self, slot_bytes: int, max_bytes: int, *, pin_memory: bool = False) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot_bytes must be positive")
+        if max_bytes < slot_bytes:
+            raise ValueError(f"{max_bytes} bytes hold no {slot_bytes}-byte staging slot")
         self.slot_bytes = slot_bytes
-        self.num_slots = max(1, max_bytes // slot_bytes)
+        self.num_slots = max_bytes // slot_bytes
         self.buffer = torch.zeros(
             (self.num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin_memory
         )

@@ -41,6 +41,7 @@ from umbp_redis.data import (
     tp_replicated_group_ids,
 )
 from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus, shared_dataplane
+from umbp_redis.errors import ConfigError
 from umbp_redis.staging import StagingPool, staging_budget
 
 if TYPE_CHECKING:
@@ -183,6 +184,13 @@ class UMBPWorker:
                 "is allocated in powers of two)",
                 budget,
                 max_bytes,
+            )
+        if budget < slot:
+            need = slot if not pin else 1 << (slot - 1).bit_length()
+            raise ConfigError(
+                f"kv_connector_extra_config['max_staging_bytes'] is {max_bytes}, which holds no "
+                f"staging slot: one object is {slot} bytes, so it must be at least {need}"
+                + (" (pinned staging is allocated in powers of two)" if pin else "")
             )
         self.staging = StagingPool(slot, budget, pin_memory=pin)
         templates = {g: self.planner.range_template(g, self.bases) for g in self.planner.layouts}
