@@ -1,13 +1,16 @@
 """CPU-side cost of moving one batch of blocks, measured on any machine (no GPU):
 
 - host planning per batch: lowering every block to its ranges in Python (what a
-  per-block plan costs; the torch executor still does this) against the GPU copier's
-  host work before a launch (``StagingCopyPlan.by_group`` + ``launch_entries``);
-- the torch executor's gather/scatter on CPU tensors against one contiguous copy of
-  the same bytes (the memory-bandwidth ceiling of this machine).
+  per-block plan costs) against the executors' host work before their copies (the GPU
+  copier's ``by_group`` + ``launch_entries``, the torch executor's ``by_group`` +
+  ``consecutive_sequences``);
+- the torch executor's gather/scatter (strided runs, consecutive blocks batched) and
+  plain per-range copies on CPU tensors, against one contiguous copy of the same bytes
+  (the memory-bandwidth ceiling of this machine).
 
-Layout: 32 layers of (2, blocks, 16, 8, 128) bf16 (vLLM's GPU layout), 2 MiB objects of
-64 ranges. Usage: .venv/bin/python benchmarks/copy_planning_bench.py
+Layouts: 32 layers of (2, blocks, 16, 8, 128) bf16 (vLLM's GPU layout: 64 ranges a
+block) and of vLLM 0.32's CPU layout (one shared tensor; 32 ranges a block, one run);
+2 MiB objects, 64-block batches. Usage: .venv/bin/python benchmarks/copy_planning_bench.py
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from umbp_redis.cpu_copy import TorchBlockCopier
+from umbp_redis.cpu_copy import CpuBlockCopier, TorchBlockCopier, consecutive_sequences
 from umbp_redis.data import KVLayoutPlanner, StagingCopyPlan
 from umbp_redis.gpu_copy import chunk_table, launch_entries
 from umbp_redis.staging import StagingPool
@@ -75,23 +78,93 @@ def main() -> None:
         f"                         GPU launch entries  {launch * 1e3:8.3f} ms"
         f"  ({planned / launch:.0f}x less than plan_for_block)"
     )
+    sequences = timed(
+        lambda: [
+            consecutive_sequences(b, s)
+            for b, s in StagingCopyPlan((0,) * batch, blocks, slots).by_group().values()
+        ]
+    )
+    print(
+        f"                         torch sequences     {sequences * 1e3:8.3f} ms"
+        f"  ({planned / sequences:.0f}x less than plan_for_block)"
+    )
 
+    print("CPU copies of one batch (GB/s; ratio to one contiguous copy of the same bytes):")
+    copy_rates("GPU layout, random blocks", caches, planner, batch, blocks)
+    cpu_caches, cpu_planner = cpu_layout(layers, nb)
+    copy_rates("vLLM CPU layout, random blocks", cpu_caches, cpu_planner, batch, blocks)
+    run_of_blocks = tuple(range(32, 32 + batch))
+    copy_rates("vLLM CPU layout, consecutive blocks", cpu_caches, cpu_planner, batch, run_of_blocks)
+
+
+def cpu_layout(layers: int, nb: int) -> tuple[dict[str, torch.Tensor], KVLayoutPlanner]:
+    """vLLM 0.32's CPU layout: every layer a (blocks, 8, 16, 2 * 128) bf16 view into one
+    shared tensor, one layer stride apart (2 MiB objects, one range a layer)."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    shape = (nb, 8, 16, 2 * 128)
+    per_layer = nb * 8 * 16 * 2 * 128
+    shared = torch.empty(layers * per_layer, dtype=torch.bfloat16)
+    shared.view(torch.int16).random_()
+    caches = {
+        n: shared[i * per_layer : (i + 1) * per_layer].view(shape) for i, n in enumerate(names)
+    }
+    spec = SimpleNamespace(page_size_bytes=8 * 16 * 2 * 128 * 2, dtype=torch.bfloat16)
+    cfg: Any = SimpleNamespace(
+        num_blocks=nb,
+        kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
+        kv_cache_tensors=[],
+    )
+    planner = KVLayoutPlanner(cfg)
+    planner.register_kv_caches(caches)
+    return caches, planner
+
+
+def copy_rates(
+    label: str,
+    caches: dict[str, torch.Tensor],
+    planner: KVLayoutPlanner,
+    batch: int,
+    blocks: tuple[int, ...],
+) -> None:
+    """Print the torch executor's and per-range copies' gather and scatter rates for one
+    batch of ``blocks`` into consecutive slots, against one contiguous copy."""
+    bases = planner.base_addresses
+    template = planner.range_template(0, bases)
+    size = template.object_size
     pool = StagingPool(size, batch * size)
-    copier = TorchBlockCopier(caches, {0: template}, pool, nb)
+    copier = TorchBlockCopier(caches, {0: template}, pool, planner.num_blocks)
+    reference = CpuBlockCopier(caches)
+    slots = tuple(range(batch))
     plan = StagingCopyPlan((0,) * batch, blocks, slots)
+    ranges = [template.ranges_for(b) for b in blocks]
     nbytes = batch * size
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.random_()
     flat = pool.buffer.view(-1)[:nbytes]
     ceiling = timed(lambda: flat.copy_(src))
-    gather = timed(lambda: copier.gather(plan))
-    scatter = timed(lambda: copier.scatter(plan))
-    gbps = lambda t: nbytes / t / 1e9  # noqa: E731
-    print(f"CPU copies of {nbytes >> 20} MiB: one contiguous copy {gbps(ceiling):6.2f} GB/s")
+
+    def per_range(gather: bool) -> None:
+        for s, rs in zip(slots, ranges, strict=True):
+            if gather:
+                reference.gather_ranges(rs, pool.tensor(s))
+            else:
+                reference.scatter_ranges(rs, pool.tensor(s))
+
+    rows = [
+        ("torch executor", lambda: copier.gather(plan), lambda: copier.scatter(plan)),
+        ("per-range copies", lambda: per_range(True), lambda: per_range(False)),
+    ]
+    calls = len(template.runs()) * len(consecutive_sequences(blocks, slots))
     print(
-        f"  torch executor gather {gbps(gather):6.2f} GB/s ({ceiling / gather:.2f}x of it), "
-        f"scatter {gbps(scatter):6.2f} GB/s ({ceiling / scatter:.2f}x)"
+        f"  {label}: {len(template)} ranges/block, {len(template.runs())} runs/block, "
+        f"{calls} executor copy calls/batch; contiguous copy {nbytes / ceiling / 1e9:.2f} GB/s"
     )
+    for name, gather, scatter in rows:
+        g, sc = timed(gather), timed(scatter)
+        print(
+            f"    {name:17s} gather {nbytes / g / 1e9:6.2f} ({ceiling / g:.2f}x)"
+            f"  scatter {nbytes / sc / 1e9:6.2f} ({ceiling / sc:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ choice fails here without a GPU. ``test_gpu_copy.py`` runs the kernel on a devic
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -25,8 +26,14 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from umbp_redis.block_copy import CopyBackendUnavailable, make_block_copier
 from umbp_redis.config import validate_options
-from umbp_redis.cpu_copy import TorchBlockCopier
-from umbp_redis.data import KVLayoutPlanner, KVRangeTemplate, StagingCopyPlan
+from umbp_redis.cpu_copy import PlanOutOfBounds, TorchBlockCopier, consecutive_sequences
+from umbp_redis.data import (
+    KVLayoutPlanner,
+    KVRange,
+    KVRangeRun,
+    KVRangeTemplate,
+    StagingCopyPlan,
+)
 from umbp_redis.errors import ConfigError
 from umbp_redis.gpu_copy import KERNEL_NAME, chunk_table, kernel_source, launch_entries
 from umbp_redis.staging import StagingPool, staging_budget
@@ -144,6 +151,106 @@ def test_torch_copier_round_trips_every_layout(case: str) -> None:
         assert torch.equal(page_bytes(other[name], 4), page_bytes(caches[name], 2))
         for b in (0, 2, 3, 5):
             assert not page_bytes(other[name], b).any(), f"block {b} was touched"
+
+
+@pytest.mark.parametrize("case", sorted(ALL_CASES))
+def test_torch_copier_batches_consecutive_blocks_exactly(case: str) -> None:
+    planner, templates, caches, pool = _setup(case)
+    copier = TorchBlockCopier(caches, templates, pool, planner.num_blocks)
+    size = templates[0].object_size
+    # Blocks 1-3 go to slots 0-2 (one sequence), block 5 to slot 3 (another).
+    blocks, slots = (2, 5, 1, 3), (1, 3, 0, 2)
+    assert consecutive_sequences(blocks, slots) == [(1, 0, 3), (5, 3, 1)]
+    pool.buffer.fill_(0xA5)
+    copier.gather(StagingCopyPlan((0,) * 4, blocks, slots))
+    for b, s in zip(blocks, slots, strict=True):
+        assert torch.equal(pool.tensor(s)[:size], _expected_object(caches, planner, b))
+        assert bool((pool.tensor(s)[size:] == 0xA5).all())  # nothing past the object
+
+    other = zeroed_clone(caches)
+    planner2 = KVLayoutPlanner(planner.kv_cache_config)
+    t2 = {0: planner2.range_template(0, planner2.register_kv_caches(other))}
+    # Slots 0-2 land in blocks 2-4, slot 3 in block 0.
+    TorchBlockCopier(other, t2, pool, planner.num_blocks).scatter(
+        StagingCopyPlan((0,) * 4, (3, 0, 4, 2), (1, 3, 2, 0))
+    )
+    moved = {2: 1, 3: 2, 4: 3, 0: 5}  # destination block: source block
+    for name in planner.group_layers[0]:
+        for b in range(planner.num_blocks):
+            got = page_bytes(other[name], b)
+            if b in moved:
+                assert torch.equal(got, page_bytes(caches[name], moved[b])), f"block {b}"
+            else:
+                assert not got.any(), f"block {b} was touched"
+
+
+def _expand(runs: tuple[KVRangeRun, ...], block: int) -> tuple[KVRange, ...]:
+    return tuple(
+        KVRange(
+            r.engine_base + block * r.block_stride + k * r.step,
+            r.object_offset + k * r.length,
+            r.length,
+        )
+        for r in runs
+        for k in range(r.count)
+    )
+
+
+@pytest.mark.parametrize("case", sorted(ALL_CASES))
+def test_runs_are_the_template_ranges(case: str) -> None:
+    planner, templates, _, _ = _setup(case)
+    tmpl = templates[0]
+    runs = tmpl.runs()
+    assert sum(r.count for r in runs) == len(tmpl)
+    assert all(r.step >= r.length for r in runs)
+    for b in (0, planner.num_blocks - 1):
+        assert _expand(runs, b) == tmpl.ranges_for(b)
+    assert all(p.count == 1 for r in runs for p in r.pieces())
+    assert tuple(p for r in runs for p in r.pieces()) == tuple(
+        KVRangeRun(x.engine_address, s, x.length, 1, x.length, x.object_offset)
+        for x, s in zip(tmpl.ranges_for(0), tmpl.block_strides, strict=True)
+    )
+
+
+def test_runs_merge_equally_spaced_ranges_only() -> None:
+    # Ranges at 0, 100, 200 (step 100), then 250 (a new step), then 300 of another length.
+    t = KVRangeTemplate(
+        0, 40, b"", (0, 100, 200, 250, 300), (1000,) * 5, (0, 8, 16, 24, 32), (8, 8, 8, 8, 8)
+    )
+    assert [(r.engine_base, r.step, r.count) for r in t.runs()] == [(0, 100, 3), (250, 50, 2)]
+    overlapping = KVRangeTemplate(0, 16, b"", (0, 4), (100, 100), (0, 8), (8, 8))
+    assert [r.count for r in overlapping.runs()] == [1, 1]  # 4 apart: would overlap
+    strides = KVRangeTemplate(0, 16, b"", (0, 100), (100, 200), (0, 8), (8, 8))
+    assert [r.count for r in strides.runs()] == [1, 1]
+    # vLLM's CPU layout: every layer of a block one layer stride apart, one run.
+    assert len(_setup("vllm_LBHNC")[1][0].runs()) == 1
+
+
+def test_consecutive_sequences() -> None:
+    assert consecutive_sequences((), ()) == []
+    assert consecutive_sequences((7, 5, 6), (2, 0, 1)) == [(5, 0, 3)]
+    assert consecutive_sequences((5, 6, 8), (0, 2, 3)) == [(5, 0, 1), (6, 2, 1), (8, 3, 1)]
+
+
+def test_torch_copier_splits_a_run_that_spans_two_storages() -> None:
+    nb, page = 4, 8
+    a, b = (torch.arange(nb * page, dtype=torch.uint8) + 64 * i for i in range(2))
+    lo, hi = sorted((a, b), key=lambda t: t.data_ptr())
+    assert hi.data_ptr() - lo.data_ptr() >= page
+    # One range in each tensor: equally spaced, so runs() merges them into one run.
+    tmpl = KVRangeTemplate(
+        0, 2 * page, b"", (lo.data_ptr(), hi.data_ptr()), (page, page), (0, page), (page, page)
+    )
+    assert len(tmpl.runs()) == 1
+    pool = StagingPool(2 * page, nb * 2 * page)
+    copier = TorchBlockCopier({"a": a, "b": b}, {0: tmpl}, pool, nb)
+    copier.gather(StagingCopyPlan((0,) * nb, tuple(range(nb)), tuple(range(nb))))
+    for blk in range(nb):
+        want = torch.cat([lo[blk * page : (blk + 1) * page], hi[blk * page : (blk + 1) * page]])
+        assert torch.equal(pool.tensor(blk), want)
+    outside = dataclasses.replace(tmpl, block_strides=(page, 2 * page))
+    with pytest.raises(PlanOutOfBounds, match="outside the KV storage"):
+        TorchBlockCopier({"a": a, "b": b}, {0: outside}, pool, nb)
 
 
 def test_copiers_reject_blocks_and_slots_outside_their_bounds() -> None:

@@ -5,8 +5,8 @@ for stores) and ``scatter`` (staging -> engine, for loads) take a ``StagingCopyP
 and return a ``CopyHandle`` whose ``wait`` returns once the bytes have moved. Two
 executors share the planner's ``KVRangeTemplate``s, so they move the same bytes:
 
-- ``TorchBlockCopier`` (``cpu_copy.py``): per-range torch copies, finished on return.
-  The reference, used on CPU and on CUDA when CuPy is missing.
+- ``TorchBlockCopier`` (``cpu_copy.py``): torch copies of strided runs, finished on
+  return. Used on CPU and on CUDA when CuPy is missing.
 - ``CupyBlockCopier`` (``gpu_copy.py``): one CUDA kernel launch per cache group and
   batch on a copy stream of its own, ordered after the engine's work by events.
 
@@ -115,7 +115,7 @@ def make_block_copier(
                 "'torch', or install CuPy (pip install 'umbp-redis[cuda]')"
             ) from None
         log.warning(
-            "umbp-redis: GPU copy kernel unavailable (%s); using per-range torch copies, "
+            "umbp-redis: GPU copy kernel unavailable (%s); using torch copies, "
             "which are much slower. Install CuPy: pip install 'umbp-redis[cuda]'",
             e,
         )

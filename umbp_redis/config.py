@@ -153,7 +153,7 @@ OPTIONS: tuple[Option, ...] = (
         "auto",
         "How blocks move between the KV cache and staging: auto (the CuPy kernel for CUDA "
         "tensors when CuPy is installed, else torch copies), cupy (the kernel; startup fails "
-        "where it cannot run) or torch (per-range torch copies, the reference).",
+        "where it cannot run) or torch (torch copies, the CPU path).",
         choices=("auto", "cupy", "torch"),
     ),
     Option(

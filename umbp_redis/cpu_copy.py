@@ -1,22 +1,30 @@
-"""Execute block transfers with torch copies, range by range (the reference path).
+"""Execute block transfers with torch copies (the reference path, and the CPU executor).
 
 A plan's ranges name raw engine addresses; this module maps each address back to the
 registered KV storage it lies in, and copies through bounds-checked ``uint8`` views,
 so a wrong plan raises instead of touching foreign memory. ``CpuBlockCopier`` runs one
-``BlockTransferPlan``; ``TorchBlockCopier`` is the ``BlockCopier`` the worker uses on
-CPU (and on CUDA without CuPy), lowering batches through the same range templates as
-the GPU kernel.
+``BlockTransferPlan`` range by range (the reference); ``TorchBlockCopier`` is the
+``BlockCopier`` the worker uses on CPU (and on CUDA without CuPy): it lowers batches
+through the same range templates as the GPU kernel, merged into strided runs, so a
+batch of consecutive blocks in vLLM's CPU layout is one copy call.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
 from umbp_redis.block_copy import DoneHandle
-from umbp_redis.data import BlockTransferPlan, KVRange, KVRangeTemplate, StagingCopyPlan
+from umbp_redis.data import (
+    BlockTransferPlan,
+    KVRange,
+    KVRangeRun,
+    KVRangeTemplate,
+    StagingCopyPlan,
+)
 from umbp_redis.staging import StagingPool
 
 
@@ -48,6 +56,17 @@ class CpuBlockCopier:
             if off + length <= flat.numel():
                 return flat[off : off + length]
         raise PlanOutOfBounds(f"range at {address:#x} (+{length}) is outside the KV storage")
+
+    def locate_run(self, run: KVRangeRun, num_blocks: int) -> tuple[torch.Tensor, int] | None:
+        """The flat bytes of the storage that holds the run for every block id below
+        ``num_blocks``, and block 0's offset in them; None where no one storage does."""
+        span = (run.count - 1) * run.step + run.length
+        ends = (run.engine_base, run.engine_base + (num_blocks - 1) * run.block_stride)
+        lo, hi = min(ends), max(ends) + span
+        i = bisect.bisect_right(self._starts, lo) - 1
+        if i < 0 or hi - self._starts[i] > self._flat[i].numel():
+            return None
+        return self._flat[i], run.engine_base - self._starts[i]
 
     def gather(self, plan: BlockTransferPlan, staging: torch.Tensor) -> None:
         """Copy the block's bytes into ``staging`` (a ``uint8`` tensor of ``object_size``)."""
@@ -92,11 +111,24 @@ class CpuBlockCopier:
             )
 
 
+class _BoundRun(NamedTuple):
+    """A ``KVRangeRun`` inside one storage: its flat bytes and block 0's offset there."""
+
+    flat: torch.Tensor
+    offset: int
+    run: KVRangeRun
+
+
 class TorchBlockCopier:
     """``BlockCopier`` with torch copies: every copy has finished when its call returns.
 
-    On CUDA tensors each range is a synchronous copy on the calling thread's current
-    stream (correct, but one copy call per range: the GPU path uses the kernel).
+    Each group's template is merged into strided runs (``KVRangeTemplate.runs``), and
+    the entries of a plan into sequences of consecutive block ids going to consecutive
+    slots; one ``copy_`` moves one run of a whole sequence. vLLM's CPU layout (every
+    layer of a block one layer stride apart in a shared tensor) is one run, so a
+    batch of consecutive blocks is one copy call. On CUDA tensors the calls run on the
+    calling thread's current stream and finish before returning (the GPU path uses
+    the kernel).
     """
 
     name = "torch"
@@ -108,10 +140,18 @@ class TorchBlockCopier:
         staging: StagingPool,
         num_blocks: int,
     ) -> None:
-        self._ranges = CpuBlockCopier(kv_caches)
+        ranges = CpuBlockCopier(kv_caches)
         self._templates = dict(templates)
         self._staging = staging
         self._num_blocks = num_blocks
+        self._runs = {
+            gid: _bind_runs(ranges, template, num_blocks) for gid, template in templates.items()
+        }
+        # Blocks are batched along their stride; a group whose stride is not positive
+        # (no vLLM layout) copies block by block.
+        self._batch_blocks = {
+            gid: all(b.run.block_stride > 0 for b in runs) for gid, runs in self._runs.items()
+        }
 
     def engine_point(self) -> object | None:
         """Copies are synchronous: nothing to order against (None)."""
@@ -119,25 +159,82 @@ class TorchBlockCopier:
 
     def gather(self, plan: StagingCopyPlan) -> DoneHandle:
         """Copy the plan's blocks into its slots now."""
-        for template, block_id, slot in self._entries(plan):
-            self._ranges.gather_ranges(template.ranges_for(block_id), self._staging.tensor(slot))
+        self._copy(plan, to_staging=True)
         return DoneHandle()
 
     def scatter(self, plan: StagingCopyPlan, after: object | None = None) -> DoneHandle:
         """Copy the plan's slots into its blocks now."""
-        for template, block_id, slot in self._entries(plan):
-            self._ranges.scatter_ranges(template.ranges_for(block_id), self._staging.tensor(slot))
+        self._copy(plan, to_staging=False)
         return DoneHandle()
 
-    def _entries(self, plan: StagingCopyPlan) -> list[tuple[KVRangeTemplate, int, int]]:
-        out = []
-        for gid, bid, slot in zip(plan.group_ids, plan.block_ids, plan.slots, strict=True):
+    def _copy(self, plan: StagingCopyPlan, *, to_staging: bool) -> None:
+        groups = plan.by_group()
+        for gid, (blocks, slots) in groups.items():
             template = self._templates.get(gid)
             if template is None:
                 raise ValueError(f"no range template for cache group {gid}")
-            check_entry(bid, slot, self._num_blocks, self._staging, template.object_size)
-            out.append((template, bid, slot))
-        return out
+            for bid, slot in zip(blocks, slots, strict=True):
+                check_entry(bid, slot, self._num_blocks, self._staging, template.object_size)
+        rows = self._staging.buffer
+        for gid, (blocks, slots) in groups.items():
+            runs = self._runs[gid]
+            if self._batch_blocks[gid]:
+                sequences = consecutive_sequences(blocks, slots)
+            else:
+                sequences = [(b, s, 1) for b, s in zip(blocks, slots, strict=True)]
+            for first_block, first_slot, n in sequences:
+                for bound in runs:
+                    r = bound.run
+                    engine = bound.flat.as_strided(
+                        (n, r.count, r.length),
+                        (r.block_stride if n > 1 else 0, r.step, 1),
+                        bound.offset + first_block * r.block_stride,
+                    )
+                    span = rows[first_slot : first_slot + n, r.object_offset :]
+                    obj = span[:, : r.count * r.length].unflatten(1, (r.count, r.length))
+                    if to_staging:
+                        obj.copy_(engine)
+                    else:
+                        engine.copy_(obj)
+
+
+def consecutive_sequences(
+    blocks: Sequence[int], slots: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """(first block, first slot, length) of the maximal runs of entries, in block order,
+    whose block ids and slots both go up by one from entry to entry."""
+    out: list[tuple[int, int, int]] = []
+    for b, s in sorted(zip(blocks, slots, strict=True)):
+        if out:
+            b0, s0, n = out[-1]
+            if b == b0 + n and s == s0 + n:
+                out[-1] = (b0, s0, n + 1)
+                continue
+        out.append((b, s, 1))
+    return out
+
+
+def _bind_runs(
+    ranges: CpuBlockCopier, template: KVRangeTemplate, num_blocks: int
+) -> list[_BoundRun]:
+    """The template's runs located in the KV storage for every block id; a run that no
+    one storage holds is split into its ranges. Raises ``PlanOutOfBounds`` for a range
+    outside the storage."""
+    out: list[_BoundRun] = []
+    for run in template.runs():
+        found = ranges.locate_run(run, num_blocks)
+        if found is not None:
+            out.append(_BoundRun(*found, run))
+            continue
+        for piece in run.pieces():
+            found = ranges.locate_run(piece, num_blocks)
+            if found is None:
+                raise PlanOutOfBounds(
+                    f"range at {piece.engine_base:#x} (+{piece.length}) is outside the KV "
+                    f"storage for some of the {num_blocks} blocks"
+                )
+            out.append(_BoundRun(*found, piece))
+    return out
 
 
 def check_entry(

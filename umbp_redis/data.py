@@ -502,6 +502,38 @@ class BlockTransferPlan:
 
 
 @dataclass(frozen=True)
+class KVRangeRun:
+    """``count`` ranges of a template that one strided copy moves.
+
+    Piece ``k`` (``0 <= k < count``) of engine block ``b`` is ``length`` bytes at engine
+    address ``engine_base + b * block_stride + k * step`` and at
+    ``object_offset + k * length`` in the object: the pieces are equally spaced in the
+    engine (``step >= length``, so they never overlap) and back to back in the object.
+    """
+
+    engine_base: int
+    block_stride: int
+    step: int
+    count: int
+    length: int
+    object_offset: int
+
+    def pieces(self) -> list[KVRangeRun]:
+        """The run as ``count`` runs of one range each."""
+        return [
+            KVRangeRun(
+                self.engine_base + k * self.step,
+                self.block_stride,
+                self.length,
+                1,
+                self.length,
+                self.object_offset + k * self.length,
+            )
+            for k in range(self.count)
+        ]
+
+
+@dataclass(frozen=True)
 class KVRangeTemplate:
     """Every block's transfer ranges of one cache group, as columns.
 
@@ -548,6 +580,32 @@ class KVRangeTemplate:
                 strict=True,
             )
         )
+
+    def runs(self) -> tuple[KVRangeRun, ...]:
+        """The ranges merged into strided runs, in object order.
+
+        Consecutive ranges join a run while they have its length and block stride and
+        follow the previous range at the run's step (at least the length). vLLM's
+        shared-tensor layouts (all layers of a block one layer stride apart) become one
+        run a block, so an executor makes one copy call where it made one a layer.
+        """
+        runs: list[KVRangeRun] = []
+        for base, stride, off, length in zip(
+            self.engine_bases, self.block_strides, self.object_offsets, self.lengths, strict=True
+        ):
+            if runs:
+                last = runs[-1]
+                step = base - (last.engine_base + (last.count - 1) * last.step)
+                if (
+                    length == last.length
+                    and stride == last.block_stride
+                    and step >= length
+                    and (last.count == 1 or step == last.step)
+                ):
+                    runs[-1] = dataclasses.replace(last, step=step, count=last.count + 1)
+                    continue
+            runs.append(KVRangeRun(base, stride, length, 1, length, off))
+        return tuple(runs)
 
     def chunked(self, max_bytes: int) -> KVRangeTemplate:
         """The same bytes with no range longer than ``max_bytes`` (split in order).
