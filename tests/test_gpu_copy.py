@@ -81,6 +81,34 @@ def test_gpu_gather_and_scatter_equal_the_cpu_reference(
         assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_executor_on_cuda_equals_it_on_cpu(case: str) -> None:
+    """The fallback without CuPy: strided-run copies between CUDA tensors and pinned
+    staging, with a batch of consecutive blocks (one copy call) and a lone block."""
+    cfg, gpu = CASES[case]("cuda")
+    _, cpu = CASES[case]("cpu")
+    fill_random(gpu, seed=23)
+    fill_random(cpu, seed=23)
+    gp, gt = _planned(gpu, cfg)
+    cp, ct = _planned(cpu, cfg)
+    size = gt[0].object_size
+    pool = StagingPool(size, 4 * size, pin_memory=True)
+    ref_pool = StagingPool(size, 4 * size)
+    plan = StagingCopyPlan((0,) * 4, (2, 1, 3, 5), (1, 0, 2, 3))
+    TorchBlockCopier(gpu, gt, pool, gp.num_blocks).gather(plan)
+    TorchBlockCopier(cpu, ct, ref_pool, cp.num_blocks).gather(plan)
+    assert torch.equal(pool.buffer[:, :size], ref_pool.buffer[:, :size])
+
+    gpu_dst, cpu_dst = zeroed_clone(gpu), zeroed_clone(cpu)
+    scatter = StagingCopyPlan((0,) * 3, (0, 1, 4), (1, 2, 3))
+    g2, gt2 = _planned(gpu_dst, cfg)
+    c2, ct2 = _planned(cpu_dst, cfg)
+    TorchBlockCopier(gpu_dst, gt2, pool, g2.num_blocks).scatter(scatter)
+    TorchBlockCopier(cpu_dst, ct2, ref_pool, c2.num_blocks).scatter(scatter)
+    for got, want in zip(storages(gpu_dst), storages(cpu_dst), strict=True):
+        assert torch.equal(got.cpu(), want)
+
+
 def test_two_mib_objects_of_many_blocks_in_one_batch(cupy: Any) -> None:
     """A production-sized layout: 32 layers of (2, blocks, 16, 8, 128) bf16, 2 MiB objects."""
     nb, names = 96, [f"model.layers.{i}.attn" for i in range(32)]
