@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import redis
 
-from umbp_redis import resp
+from umbp_redis import dataplane, resp
 from umbp_redis.config import RedisSettings
-from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
+from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus, _transaction_status
 from umbp_redis.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.errors import RedisLoadingError, RedisUnavailableError
 from umbp_redis.value_format import HEADER, HEADER_SIZE, MAGIC, body_length
 
 FP = b"\x07" * 16
@@ -298,6 +299,79 @@ def test_timeout_is_bounded_and_a_miss(own_redis: EmbeddedRedis) -> None:
     th.join()
     assert d.lookup(keys_for(3)) == [False] * 3  # back to normal on a fresh connection
     d.close()
+
+
+@pytest.mark.parametrize("cut_before", [b"*3\r\n$6\r\nEXPIRE", b"*1\r\n$4\r\nEXEC"])
+def test_a_store_cut_before_its_exec_leaves_no_value_without_ttl(
+    own_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, cut_before: bytes
+) -> None:
+    """The connection dies after the server has the whole HSET (and maybe the EXPIRE)
+    but not the EXEC: nothing may be written, or the value would never expire."""
+    r = redis.Redis.from_url(own_redis.url)
+    d = make_dp(own_redis.url, transfer_connections=1)
+    assert d.lookup(keys_for(1, "warm")) == [False]  # the pool's connection is open
+    assert r.info("clients")["connected_clients"] == 2
+
+    def cut(sock: socket.socket, buffers: list, *, use_sendmsg: bool) -> None:  # type: ignore[type-arg]
+        wire = b"".join(bytes(b) for b in buffers)
+        sock.sendall(wire[: wire.rindex(cut_before)])
+        sock.close()
+        raise RedisUnavailableError("connection lost (test)")
+
+    monkeypatch.setattr(dataplane, "send_buffers", cut)
+    k = keys_for(1, "cut")[0]
+    assert d.store([(k, payloads(1, 4096)[0])], FP) == [StoreStatus.ERROR]
+    # Once the server has dropped the client it has read every byte that was sent.
+    deadline = time.monotonic() + 5
+    while r.info("clients")["connected_clients"] > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.info("clients")["connected_clients"] == 1
+    assert not r.exists(k)
+
+    monkeypatch.undo()
+    time.sleep(d.settings.fail_fast_s)
+    assert d.store([(k, payloads(1, 4096)[0])], FP) == [StoreStatus.STORED]
+    assert 0 < r.ttl(k) <= 86400
+    d.close()
+
+
+def test_store_outcomes_from_transaction_replies(caplog: pytest.LogCaptureFixture) -> None:
+    E = resp.ErrorReply
+    ok = ("OK", "QUEUED", "QUEUED")
+    assert _transaction_status(*ok, [2, 1])[0] is StoreStatus.STORED
+    assert _transaction_status(*ok, [0, 1])[0] is StoreStatus.STORED  # overwritten
+    assert _transaction_status(*ok, [2, 0])[0] is StoreStatus.ERROR  # no TTL set
+    assert _transaction_status(*ok, [E("WRONGTYPE x"), 1])[0] is StoreStatus.ERROR
+    oom = E("OOM command not allowed when used memory > 'maxmemory'.")
+    abort = E("EXECABORT Transaction discarded because of previous errors.")
+    assert _transaction_status("OK", oom, "QUEUED", abort)[0] is StoreStatus.OOM
+    assert _transaction_status("OK", "QUEUED", "QUEUED", oom)[0] is StoreStatus.OOM
+    assert _transaction_status(*ok, None)[0] is StoreStatus.ERROR
+    status, err = _transaction_status(
+        E("LOADING Redis is loading"), E("LOADING x"), E("LOADING x"), E("LOADING x")
+    )
+    assert status is StoreStatus.ERROR and isinstance(err, RedisLoadingError)
+    assert not caplog.records  # LOADING is an outage, not a missing permission
+
+
+def test_acl_user_without_transactions_still_stores_with_ttl(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(dataplane, "_warned_no_transactions", False)
+    with EmbeddedRedis() as srv:
+        admin = redis.Redis(port=srv.port)
+        admin.execute_command(
+            "ACL", "SETUSER", "umbp", "on", ">pw", "~umbp:*", "+@all", "-@transaction"
+        )
+        d = make_dp(f"redis://umbp:pw@127.0.0.1:{srv.port}/0")
+        keys = keys_for(3)
+        with caplog.at_level("WARNING", logger="umbp_redis.dataplane"):
+            st = d.store(list(zip(keys, payloads(3, 1000), strict=True)), FP)
+        assert st == [StoreStatus.STORED] * 3
+        assert all(0 < admin.ttl(k) <= 86400 for k in keys)
+        warnings = [r for r in caplog.records if "refused MULTI" in r.getMessage()]
+        assert len(warnings) == 1 and "@transaction" in warnings[0].getMessage()
+        d.close()
 
 
 def test_oom_is_reported_per_key(own_redis: EmbeddedRedis) -> None:

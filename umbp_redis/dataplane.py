@@ -3,7 +3,8 @@
 * ``lookup``: per-key presence of many keys in one round trip (optionally re-arming
   the TTL of hits), or ``None`` ("unknown") on any error or timeout.
 * ``store``: many objects from the caller's staging memory, each written as the hash of
-  ``value_format`` with a TTL, payload bytes handed to ``sendmsg`` as memoryviews.
+  ``value_format`` and its TTL in one ``MULTI``/``EXEC``, payload bytes handed to
+  ``sendmsg`` as memoryviews.
 * ``load``: many objects straight into caller buffers (``recv_into``), each validated
   (magic, version, fingerprint, sizes, optional checksum) before it counts as loaded.
 
@@ -105,6 +106,62 @@ def _exists_cmd(k: bytes) -> bytes:
 
 def _expire_cmd(k: bytes, ttl: bytes) -> bytes:
     return b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(ttl), ttl)
+
+
+_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+_EXEC = b"*1\r\n$4\r\nEXEC\r\n"
+# A stored object's replies: MULTI, two QUEUED, then EXEC's [HSET fields added, EXPIRE 1].
+_TX_REPLY_HEAD = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n:"
+_TX_REPLY_TAIL = b"\r\n:1\r\n"
+_TX_REPLY_LEN = len(_TX_REPLY_HEAD) + 1 + len(_TX_REPLY_TAIL)
+
+
+def _transaction_status(
+    multi: Any, hset: Any, expire: Any, exec_reply: Any
+) -> tuple[StoreStatus, Exception | None]:
+    """One object's store outcome from its four replies, and the server's error if any.
+
+    Queued commands answer ``QUEUED`` or an error (OOM, LOADING, ACL); an error there
+    aborts the transaction, so nothing was written. Were ``MULTI`` itself refused, the
+    commands ran on their own and their replies are their results.
+    """
+    if isinstance(multi, ErrorReply):
+        _warn_no_transactions(multi)
+        results: list[Any] = [hset, expire]
+    else:
+        for queued in (hset, expire):
+            if isinstance(queued, ErrorReply):
+                return _error_status(queued), queued.exc
+        if isinstance(exec_reply, ErrorReply):
+            return _error_status(exec_reply), exec_reply.exc
+        if not isinstance(exec_reply, list) or len(exec_reply) != 2:
+            return StoreStatus.ERROR, None
+        results = exec_reply
+    for r in results:
+        if isinstance(r, ErrorReply):
+            return _error_status(r), r.exc
+    if not isinstance(results[0], int) or results[1] != 1:
+        return StoreStatus.ERROR, None
+    return StoreStatus.STORED, None
+
+
+_warned_no_transactions = False
+
+
+def _warn_no_transactions(refusal: ErrorReply) -> None:
+    global _warned_no_transactions
+    if not _warned_no_transactions and not isinstance(refusal.exc, RedisLoadingError):
+        _warned_no_transactions = True
+        log.warning(
+            "umbp-redis: Redis refused MULTI (%s); values and their TTLs are written "
+            "without a transaction, so a lost connection can leave a value without a TTL. "
+            "Allow the @transaction commands to this user",
+            refusal.message,
+        )
+
+
+def _error_status(err: ErrorReply) -> StoreStatus:
+    return StoreStatus.OOM if isinstance(err.exc, RedisOOMError) else StoreStatus.ERROR
 
 
 def _hmget_cmd(k: bytes) -> bytes:
@@ -258,6 +315,7 @@ class RedisDataPlane:
     ) -> list[StoreStatus]:
         """Write each (key, payload) with a TTL; per-key status, in order.
 
+        A key is written with its TTL or not at all (one transaction per object).
         The payload buffers are read during the call only and are sent as memoryviews
         (no copy). With ``skip_existing`` one extra round trip first re-arms the TTL of
         keys already present and their values are not sent again.
@@ -331,37 +389,46 @@ class RedisDataPlane:
         fingerprint: bytes,
         ttl: bytes,
     ) -> None:
+        # Each object is MULTI, HSET, EXPIRE, EXEC: the server applies the value and its
+        # TTL together or not at all (a connection lost mid-batch leaves no key without
+        # a TTL, which volatile-* eviction would never remove).
         bufs: list[Buffer] = []
         with_checksum = self.settings.checksum
         pending_small = bytearray()
         for key, payload in group:
             field_h, body_len = encode_header(fingerprint, payload, with_checksum=with_checksum)
-            pending_small += (
+            pending_small += _MULTI + (
                 b"*6\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n$1\r\nb\r\n%s"
                 % (len(key), key, bulk_prefix(len(field_h)), field_h, bulk_prefix(body_len))
             )
             bufs.append(bytes(pending_small))
             bufs.append(payload[:body_len])
-            pending_small = bytearray(b"\r\n" + _expire_cmd(key, ttl))
+            pending_small = bytearray(b"\r\n" + _expire_cmd(key, ttl) + _EXEC)
         bufs.append(bytes(pending_small))
         send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
 
     @staticmethod
     def _read_stores(conn: RedisConnection, n: int) -> list[StoreStatus]:
-        replies = conn.reader.read_int_replies(2 * n)
+        reader = conn.reader
         out = []
-        loading = None
-        for hset, expire in zip(replies[0::2], replies[1::2], strict=True):
-            if isinstance(hset, ErrorReply):
-                if isinstance(hset.exc, RedisLoadingError):
-                    loading = hset.exc
-                out.append(
-                    StoreStatus.OOM if isinstance(hset.exc, RedisOOMError) else StoreStatus.ERROR
-                )
-            elif isinstance(expire, ErrorReply) or expire != 1:
-                out.append(StoreStatus.ERROR)
-            else:
-                out.append(StoreStatus.STORED)
+        loading: RedisLoadingError | None = None
+        for _ in range(n):
+            if reader.end - reader.start >= _TX_REPLY_LEN:  # the usual reply, buffered
+                head = reader.buf[reader.start : reader.start + _TX_REPLY_LEN]
+                n_head = len(_TX_REPLY_HEAD)
+                if (
+                    head[:n_head] == _TX_REPLY_HEAD
+                    and 48 <= head[n_head] <= 57
+                    and head[n_head + 1 :] == _TX_REPLY_TAIL
+                ):
+                    reader.start += _TX_REPLY_LEN
+                    out.append(StoreStatus.STORED)
+                    continue
+            replies = [reader.read_reply() for _ in range(4)]
+            status, err = _transaction_status(*replies)
+            if isinstance(err, RedisLoadingError):
+                loading = err
+            out.append(status)
         if loading is not None:
             raise loading
         return out
