@@ -413,17 +413,16 @@ class RedisDataPlane:
         out = []
         loading: RedisLoadingError | None = None
         for _ in range(n):
-            if reader.end - reader.start >= _TX_REPLY_LEN:  # the usual reply, buffered
-                head = reader.buf[reader.start : reader.start + _TX_REPLY_LEN]
-                n_head = len(_TX_REPLY_HEAD)
-                if (
-                    head[:n_head] == _TX_REPLY_HEAD
-                    and 48 <= head[n_head] <= 57
-                    and head[n_head + 1 :] == _TX_REPLY_TAIL
-                ):
-                    reader.start += _TX_REPLY_LEN
-                    out.append(StoreStatus.STORED)
-                    continue
+            head = reader.peek_buffered(_TX_REPLY_LEN)  # the usual reply, if buffered
+            if (
+                head is not None
+                and head.startswith(_TX_REPLY_HEAD)
+                and head.endswith(_TX_REPLY_TAIL)
+                and head[len(_TX_REPLY_HEAD) : -len(_TX_REPLY_TAIL)].isdigit()
+            ):
+                reader.skip(_TX_REPLY_LEN)
+                out.append(StoreStatus.STORED)
+                continue
             replies = [reader.read_reply() for _ in range(4)]
             status, err = _transaction_status(*replies)
             if isinstance(err, RedisLoadingError):

@@ -119,6 +119,12 @@ class ReplyReader:
         self.start += n
         return out
 
+    def peek_buffered(self, n: int) -> bytes | None:
+        """The next ``n`` bytes if already buffered (not consumed; never reads), else None."""
+        if self.end - self.start < n:
+            return None
+        return bytes(self.buf[self.start : self.start + n])
+
     def skip(self, n: int) -> None:
         """Discard ``n`` bytes of the stream."""
         while n > 0:
