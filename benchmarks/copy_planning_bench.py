@@ -47,14 +47,8 @@ def main() -> None:
     caches = {n: torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16) for n in names}
     for t in caches.values():
         t.view(torch.int16).random_()
-    spec = SimpleNamespace(page_size_bytes=2 * 16 * 8 * 128 * 2, dtype=torch.bfloat16)
-    cfg: Any = SimpleNamespace(
-        num_blocks=nb,
-        kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
-        kv_cache_tensors=[],
-    )
-    planner = KVLayoutPlanner(cfg)
-    bases = planner.register_kv_caches(caches)
+    planner = registered_planner(caches, 2 * 16 * 8 * 128 * 2, nb)
+    bases = planner.base_addresses
     template = planner.range_template(0, bases)
     size = template.object_size
     blocks = tuple(sorted(torch.randperm(nb)[:batch].tolist()))
@@ -108,15 +102,22 @@ def cpu_layout(layers: int, nb: int) -> tuple[dict[str, torch.Tensor], KVLayoutP
     caches = {
         n: shared[i * per_layer : (i + 1) * per_layer].view(shape) for i, n in enumerate(names)
     }
-    spec = SimpleNamespace(page_size_bytes=8 * 16 * 2 * 128 * 2, dtype=torch.bfloat16)
+    return caches, registered_planner(caches, 8 * 16 * 2 * 128 * 2, nb)
+
+
+def registered_planner(
+    caches: dict[str, torch.Tensor], page_bytes: int, nb: int
+) -> KVLayoutPlanner:
+    """A planner of one bf16 attention group over ``caches``, registered."""
+    spec = SimpleNamespace(page_size_bytes=page_bytes, dtype=torch.bfloat16)
     cfg: Any = SimpleNamespace(
         num_blocks=nb,
-        kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
+        kv_cache_groups=[SimpleNamespace(layer_names=list(caches), kv_cache_spec=spec)],
         kv_cache_tensors=[],
     )
     planner = KVLayoutPlanner(cfg)
     planner.register_kv_caches(caches)
-    return caches, planner
+    return planner
 
 
 def copy_rates(

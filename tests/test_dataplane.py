@@ -359,11 +359,7 @@ def test_acl_user_without_transactions_still_stores_with_ttl(
 ) -> None:
     monkeypatch.setattr(dataplane, "_warned_no_transactions", False)
     with EmbeddedRedis() as srv:
-        admin = redis.Redis(port=srv.port)
-        admin.execute_command(
-            "ACL", "SETUSER", "umbp", "on", ">pw", "~umbp:*", "+@all", "-@transaction"
-        )
-        d = make_dp(f"redis://umbp:pw@127.0.0.1:{srv.port}/0")
+        admin, d = acl_user(srv, "-@transaction")
         keys = keys_for(3)
         with caplog.at_level("WARNING", logger="umbp_redis.dataplane"):
             st = d.store(list(zip(keys, payloads(3, 1000), strict=True)), FP)
@@ -461,13 +457,17 @@ def test_password_auth(tmp_path: Path) -> None:
             x.close()
 
 
+def acl_user(srv: EmbeddedRedis, *rules: str) -> tuple[redis.Redis, RedisDataPlane]:
+    """An admin client of ``srv`` and a data plane logged in as user ``umbp``, which may
+    use ``umbp:*`` keys with every command but as ``rules`` take away."""
+    admin = redis.Redis(port=srv.port)
+    admin.execute_command("ACL", "SETUSER", "umbp", "on", ">acl-pw", "~umbp:*", "+@all", *rules)
+    return admin, make_dp(f"redis://umbp:acl-pw@127.0.0.1:{srv.port}/0")
+
+
 def test_acl_user_limited_to_umbp_keys() -> None:
     with EmbeddedRedis() as srv:
-        admin = redis.Redis(port=srv.port)
-        admin.execute_command(
-            "ACL", "SETUSER", "umbp", "on", ">acl-pw", "~umbp:*", "+@all", "-@dangerous"
-        )
-        d = make_dp(f"redis://umbp:acl-pw@127.0.0.1:{srv.port}/0")
+        admin, d = acl_user(srv, "-@dangerous")
         ok = keys_for(2)
         assert (
             d.store(list(zip(ok, payloads(2, 1000), strict=True)), FP) == [StoreStatus.STORED] * 2

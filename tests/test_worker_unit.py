@@ -42,6 +42,13 @@ def make_worker(model_config: ModelConfig, url: str, **extra) -> tuple[UMBPWorke
     return w, caches
 
 
+def object_size(model_config: ModelConfig, url: str) -> int:
+    """The bytes of one stored object of ``make_worker``'s workers."""
+    probe, _ = make_worker(model_config, url)
+    assert probe.staging is not None
+    return probe.staging.slot_bytes
+
+
 def step(w: UMBPWorker, meta: UMBPConnectorMetadata) -> None:
     w.bind(meta)
     w.start_load_kv()
@@ -120,9 +127,7 @@ def test_sync_load_reports_errors_without_finished_ids(
 def test_full_staging_drops_stores_but_reports_the_event(
     model_config: ModelConfig, redis_url: str
 ) -> None:
-    probe, _ = make_worker(model_config, redis_url)
-    assert probe.staging is not None
-    one_slot = probe.staging.slot_bytes
+    one_slot = object_size(model_config, redis_url)
     w, caches = make_worker(model_config, redis_url, max_staging_bytes=one_slot)
     assert w.staging is not None and w.staging.num_slots == 1
     fill_random(caches)
@@ -138,9 +143,7 @@ def test_full_staging_drops_stores_but_reports_the_event(
 def test_staging_budget_below_one_object_is_a_config_error(
     model_config: ModelConfig, redis_url: str
 ) -> None:
-    probe, _ = make_worker(model_config, redis_url)
-    assert probe.staging is not None
-    size = probe.staging.slot_bytes
+    size = object_size(model_config, redis_url)
     with pytest.raises(ConfigError, match=rf"max_staging_bytes.*{size - 1}.*at least {size}"):
         make_worker(model_config, redis_url, max_staging_bytes=size - 1)
 
