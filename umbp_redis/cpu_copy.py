@@ -47,24 +47,27 @@ class CpuBlockCopier:
         self._starts = sorted(spans)
         self._flat = [spans[s] for s in self._starts]
 
+    def _storage_of(self, lo: int, hi: int) -> int | None:
+        """The index of the storage holding engine bytes ``lo .. hi - 1``, or None."""
+        i = bisect.bisect_right(self._starts, lo) - 1
+        if i >= 0 and hi - self._starts[i] <= self._flat[i].numel():
+            return i
+        return None
+
     def _view(self, address: int, length: int) -> torch.Tensor:
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i >= 0:
-            start = self._starts[i]
-            flat = self._flat[i]
-            off = address - start
-            if off + length <= flat.numel():
-                return flat[off : off + length]
-        raise PlanOutOfBounds(f"range at {address:#x} (+{length}) is outside the KV storage")
+        i = self._storage_of(address, address + length)
+        if i is None:
+            raise PlanOutOfBounds(f"range at {address:#x} (+{length}) is outside the KV storage")
+        off = address - self._starts[i]
+        return self._flat[i][off : off + length]
 
     def locate_run(self, run: KVRangeRun, num_blocks: int) -> tuple[torch.Tensor, int] | None:
         """The flat bytes of the storage that holds the run for every block id below
         ``num_blocks``, and block 0's offset in them; None where no one storage does."""
         span = (run.count - 1) * run.step + run.length
         ends = (run.engine_base, run.engine_base + (num_blocks - 1) * run.block_stride)
-        lo, hi = min(ends), max(ends) + span
-        i = bisect.bisect_right(self._starts, lo) - 1
-        if i < 0 or hi - self._starts[i] > self._flat[i].numel():
+        i = self._storage_of(min(ends), max(ends) + span)
+        if i is None:
             return None
         return self._flat[i], run.engine_base - self._starts[i]
 
@@ -141,7 +144,7 @@ class TorchBlockCopier:
         num_blocks: int,
     ) -> None:
         ranges = CpuBlockCopier(kv_caches)
-        self._templates = dict(templates)
+        self._object_sizes = {gid: t.object_size for gid, t in templates.items()}
         self._staging = staging
         self._num_blocks = num_blocks
         self._runs = {
@@ -168,13 +171,7 @@ class TorchBlockCopier:
         return DoneHandle()
 
     def _copy(self, plan: StagingCopyPlan, *, to_staging: bool) -> None:
-        groups = plan.by_group()
-        for gid, (blocks, slots) in groups.items():
-            template = self._templates.get(gid)
-            if template is None:
-                raise ValueError(f"no range template for cache group {gid}")
-            for bid, slot in zip(blocks, slots, strict=True):
-                check_entry(bid, slot, self._num_blocks, self._staging, template.object_size)
+        groups = checked_groups(plan, self._object_sizes, self._num_blocks, self._staging)
         rows = self._staging.buffer
         for gid, (blocks, slots) in groups.items():
             runs = self._runs[gid]
@@ -237,15 +234,27 @@ def _bind_runs(
     return out
 
 
-def check_entry(
-    block_id: int, slot: int, num_blocks: int, staging: StagingPool, object_size: int
-) -> None:
-    """Raise ``ValueError`` unless the block and slot exist and the object fits a slot."""
-    if not 0 <= block_id < num_blocks:
-        raise ValueError(f"block id {block_id} outside 0..{num_blocks - 1}")
-    if not 0 <= slot < staging.num_slots:
-        raise ValueError(f"staging slot {slot} outside 0..{staging.num_slots - 1}")
-    if object_size > staging.slot_bytes:
-        raise ValueError(
-            f"a {object_size}-byte object does not fit a {staging.slot_bytes}-byte staging slot"
-        )
+def checked_groups(
+    plan: StagingCopyPlan,
+    object_sizes: Mapping[int, int],
+    num_blocks: int,
+    staging: StagingPool,
+) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``plan.by_group()``, after raising ``ValueError`` for a group without a range
+    template (``object_sizes`` names those that have one), a block or slot that does not
+    exist, or an object larger than a slot."""
+    groups = plan.by_group()
+    for gid, (blocks, slots) in groups.items():
+        object_size = object_sizes.get(gid)
+        if object_size is None:
+            raise ValueError(f"no range template for cache group {gid}")
+        if object_size > staging.slot_bytes:
+            raise ValueError(
+                f"a {object_size}-byte object does not fit a {staging.slot_bytes}-byte staging slot"
+            )
+        for block_id, slot in zip(blocks, slots, strict=True):
+            if not 0 <= block_id < num_blocks:
+                raise ValueError(f"block id {block_id} outside 0..{num_blocks - 1}")
+            if not 0 <= slot < staging.num_slots:
+                raise ValueError(f"staging slot {slot} outside 0..{staging.num_slots - 1}")
+    return groups

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from umbp_redis.block_copy import CopyBackendUnavailable
-from umbp_redis.cpu_copy import check_entry
+from umbp_redis.cpu_copy import checked_groups
 from umbp_redis.data import KVRangeTemplate, StagingCopyPlan
 from umbp_redis.staging import StagingPool
 
@@ -140,14 +140,11 @@ class CupyBlockCopier:
             k: cupy.cuda.ExternalStream(s.cuda_stream, self.device.index)
             for k, s in self._streams.items()
         }
-        self._tables: dict[int, tuple[torch.Tensor, int, int]] = {}
+        self._tables: dict[int, tuple[torch.Tensor, int]] = {}
         for gid, template in templates.items():
             table = chunk_table(template, chunk_bytes)
-            self._tables[gid] = (
-                self._upload(table),
-                table.shape[1],
-                template.object_size,
-            )
+            self._tables[gid] = (self._upload(table), table.shape[1])
+        self._object_sizes = {gid: t.object_size for gid, t in templates.items()}
         # One launch sequence per stream at a time (stores on the engine's thread,
         # loads on the load thread).
         self._locks = {k: threading.Lock() for k in self._streams}
@@ -173,13 +170,7 @@ class CupyBlockCopier:
     def _run(
         self, direction: str, plan: StagingCopyPlan, after: Any, *, to_staging: bool
     ) -> torch.cuda.Event:
-        groups = plan.by_group()
-        for gid, (blocks, slots) in groups.items():
-            if gid not in self._tables:
-                raise ValueError(f"no range template for cache group {gid}")
-            object_size = self._tables[gid][2]
-            for bid, slot in zip(blocks, slots, strict=True):
-                check_entry(bid, slot, self._num_blocks, self._staging, object_size)
+        groups = checked_groups(plan, self._object_sizes, self._num_blocks, self._staging)
         stream = self._streams[direction]
         done = torch.cuda.Event(blocking=True)
         with self._locks[direction], torch.cuda.device(self.device):
@@ -201,7 +192,7 @@ class CupyBlockCopier:
         to_staging: bool,
     ) -> None:
         cupy = self._cupy
-        table, n_chunks, _ = self._tables[gid]
+        table, n_chunks = self._tables[gid]
         stream = self._streams[direction]
         with torch.cuda.stream(stream):
             entries = self._upload(launch_entries(blocks, slots), non_blocking=True)
