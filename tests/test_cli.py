@@ -63,9 +63,13 @@ def test_inspect_valid_and_invalid(redis_url: str) -> None:
     out = cli("inspect", keys[0], "--redis-url", redis_url, "--json")
     info = json.loads(out.stdout)
     assert out.returncode == 0 and info["valid"] and info["checksum"] == "ok"
-    assert info["format_version"] == 1 and info["payload_len"] == 4096
-    assert info["layout_fingerprint"] == FP.hex()
+    assert info["format_version"] == 2 and info["payload_len"] == 4096
+    assert info["layout_fingerprint"] == FP.hex() and info["key_digest"] == "ok"
     r = redis.Redis.from_url(redis_url)
+    moved = keys[0][:-2] + "ff"
+    r.copy(keys[0], moved)  # a valid value, but of another key
+    other = cli("inspect", moved, "--redis-url", redis_url, "--json")
+    assert other.returncode == 1 and "key digest" in json.loads(other.stdout)["error"]
     h = r.hget(keys[1], "h") or b""
     r.hset(keys[1], "h", b"XXXX" + h[4:])
     bad = cli("inspect", keys[1], "--redis-url", redis_url, "--json")
@@ -98,6 +102,56 @@ def test_purge_leaves_other_namespaces(redis_url: str) -> None:
     assert len(list(r.scan_iter(match="umbp:vllm:v1:gone:*"))) == 0
     assert len(list(r.scan_iter(match="umbp:vllm:v1:kept:*"))) == 7
     assert r.exists("unrelated")
+
+
+@pytest.mark.parametrize("namespace", ["", "*", "ke*", "k?pt", "[gk]*", "a:b"])
+def test_purge_refuses_empty_and_glob_namespaces(redis_url: str, namespace: str) -> None:
+    fill(redis_url, "kept", 3)
+    fill(redis_url, "keep2", 2)
+    out = cli("purge", "--namespace", namespace, "--yes", "--redis-url", redis_url)
+    assert out.returncode == 2 and "exact namespace" in out.stderr
+    r = redis.Redis.from_url(redis_url)
+    assert len(list(r.scan_iter(match="umbp:vllm:v1:*"))) == 5
+
+
+def test_purge_all_needs_all_and_a_confirmation(redis_url: str) -> None:
+    fill(redis_url, "one", 3)
+    fill(redis_url, "two", 2)
+    r = redis.Redis.from_url(redis_url)
+    r.set("unrelated", b"x")
+    assert cli("purge", "--redis-url", redis_url, "--yes").returncode == 2  # neither flag
+    no_tty = cli("purge", "--all", "--redis-url", redis_url, input_text="all\n")
+    assert no_tty.returncode == 2 and len(list(r.scan_iter(match="umbp:vllm:v1:*"))) == 5
+    out = cli("purge", "--all", "--yes", "--redis-url", redis_url, "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["deleted"] == 5
+    assert not list(r.scan_iter(match="umbp:vllm:v1:*")) and r.exists("unrelated")
+
+
+def test_cli_reads_urls_as_the_connector_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    with EmbeddedRedis(["--requirepass", "s3cret"]) as srv:
+        url = f"redis://:s3cret@127.0.0.1:{srv.port}/0"
+        assert cli("doctor", "--redis-url", url, "--json").returncode == 0
+        # redis-py reads "name@host" as a user without a password: refused in both.
+        as_user = f"redis://s3cret@127.0.0.1:{srv.port}/0"
+        assert cli("doctor", "--redis-url", as_user, "--json").returncode == 2
+        settings = RedisSettings.from_url(as_user)
+        assert (settings.username, settings.password) == ("s3cret", None)
+        import redis.connection
+
+        kw = redis.connection.parse_url(as_user)
+        assert (kw.get("username"), kw.get("password")) == ("s3cret", None)
+        # The password from the environment, the server from $UMBP_REDIS_URL.
+        env = {"UMBP_REDIS_URL": f"redis://127.0.0.1:{srv.port}/0", "UMBP_REDIS_PASSWORD": "s3cret"}
+        out = subprocess.run(
+            [sys.executable, "-m", "umbp_redis.cli", "doctor", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**__import__("os").environ, **env},
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+    bad = cli("ls", "--redis-url", "http://nowhere")
+    assert bad.returncode == 2 and "redis_url" in bad.stderr
 
 
 def test_doctor_fails_on_unreachable_server() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from umbp_redis.config import OPTIONS, RedisSettings, validate_options
@@ -32,6 +34,55 @@ def test_url_forms() -> None:
     assert s.tls and s.tls_ca_cert == "/ca.pem"
     s = RedisSettings.from_url("unix:///run/redis.sock?db=3")
     assert (s.scheme, s.path, s.db) == ("unix", "/run/redis.sock", 3)
+
+
+def test_url_semantics_match_redis_py() -> None:
+    import redis.connection
+
+    for url in (
+        "redis://secret@h:1/0",
+        "redis://:secret@h:1/0",
+        "redis://u:p%40ss@h:1/4",
+        "redis://h:1/0?db=5",
+        "redis://h:1?password=qp&username=qu",
+        "rediss://u:p@h:2/1",
+        "unix:///tmp/r.sock?db=2",
+    ):
+        kw = redis.connection.parse_url(url)
+        s = RedisSettings.from_url(url)
+        assert (s.username, s.password) == (kw.get("username"), kw.get("password")), url
+        assert s.db == kw.get("db", 0), url
+        if not url.startswith("unix"):
+            assert (s.host, s.port) == (kw["host"], kw["port"]), url
+
+
+def test_redis_url_falls_back_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("UMBP_REDIS_URL", "redis://envhost:7000/3")
+    # The connector validates options first (filling defaults); the URL still comes
+    # from the environment when the operator did not set one.
+    s = RedisSettings.from_options(validate_options({}))
+    assert (s.host, s.port, s.db) == ("envhost", 7000, 3)
+    s = RedisSettings.from_options(validate_options({"redis_url": "redis://given:1/0"}))
+    assert s.host == "given"
+    monkeypatch.delenv("UMBP_REDIS_URL")
+    assert RedisSettings.from_options({}).host == "localhost"
+    # Passwords: option > URL > password_file > $UMBP_REDIS_PASSWORD.
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    monkeypatch.setenv("UMBP_REDIS_PASSWORD", "from-env")
+    opts = {"redis_url": "redis://h:1/0", "password_file": str(secret)}
+    assert RedisSettings.from_options(opts).password == "from-file"
+    assert RedisSettings.from_options({"redis_url": "redis://h:1/0"}).password == "from-env"
+    url_pw = {**opts, "redis_url": "redis://:from-url@h:1/0"}
+    assert RedisSettings.from_options(url_pw).password == "from-url"
+    assert RedisSettings.from_options({**url_pw, "password": "opt"}).password == "opt"
+    with pytest.raises(ConfigError, match=r"\['password_file'\].*cannot be read"):
+        RedisSettings.from_options({"password_file": str(tmp_path / "missing")})
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ConfigError, match=r"\['password_file'\].*empty"):
+        RedisSettings.from_options({"password_file": str(tmp_path / "empty")})
 
 
 def test_password_never_in_repr_or_redacted_url() -> None:
@@ -80,21 +131,34 @@ def test_body_length_is_a_size_class_less_16(n: int) -> None:
 def test_header_round_trip_and_validation() -> None:
     payload = memoryview(bytes(range(256)) * 300)
     fp = b"\x01" * 16
-    h, body = encode_header(fp, payload, with_checksum=True)
+    key = b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:aa"
+    h, body = encode_header(fp, payload, key, with_checksum=True)
     assert len(h) == HEADER_SIZE + payload.nbytes - body
     hdr = decode_header(h)
     assert hdr.has_checksum and hdr.payload_len == payload.nbytes and hdr.body_len == body
-    validate_header(hdr, fingerprint=fp, payload_len=payload.nbytes, body_field_len=body)
+    ok = {"payload_len": payload.nbytes, "body_field_len": body, "key": key}
+    validate_header(hdr, fingerprint=fp, require_checksum=True, **ok)
     with pytest.raises(InvalidValue, match="fingerprint"):
-        validate_header(
-            hdr, fingerprint=b"\x02" * 16, payload_len=payload.nbytes, body_field_len=body
-        )
+        validate_header(hdr, fingerprint=b"\x02" * 16, require_checksum=True, **ok)
     with pytest.raises(InvalidValue, match="payload length"):
-        validate_header(hdr, fingerprint=fp, payload_len=10, body_field_len=body)
+        validate_header(hdr, fingerprint=fp, require_checksum=True, **{**ok, "payload_len": 10})
     with pytest.raises(InvalidValue, match="body field"):
-        validate_header(hdr, fingerprint=fp, payload_len=payload.nbytes, body_field_len=body - 1)
+        validate_header(
+            hdr, fingerprint=fp, require_checksum=True, **{**ok, "body_field_len": body - 1}
+        )
+    # Bound to its key: the same value read under another key is invalid.
+    with pytest.raises(InvalidValue, match="key digest"):
+        validate_header(hdr, fingerprint=fp, require_checksum=True, **{**ok, "key": key + b"b"})
+    # A reader that requires checksums rejects a value written without one.
+    bare = decode_header(encode_header(fp, payload, key, with_checksum=False)[0])
+    assert not bare.has_checksum
+    with pytest.raises(InvalidValue, match="no checksum"):
+        validate_header(bare, fingerprint=fp, require_checksum=True, **ok)
+    validate_header(bare, fingerprint=fp, require_checksum=False, **ok)
     with pytest.raises(InvalidValue, match="magic"):
         decode_header(b"XXXX" + h[4:])
+    with pytest.raises(InvalidValue, match="version 1"):
+        decode_header(h[:4] + b"\x01\x00" + h[6:])  # the format before key digests
     with pytest.raises(InvalidValue, match="shorter"):
         decode_header(h[:20])
     with pytest.raises(InvalidValue, match="tail bytes"):

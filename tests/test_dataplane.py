@@ -7,7 +7,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,7 @@ from umbp_redis.config import RedisSettings
 from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus, _transaction_status
 from umbp_redis.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.errors import RedisLoadingError, RedisUnavailableError
-from umbp_redis.value_format import HEADER, HEADER_SIZE, MAGIC, body_length
+from umbp_redis.value_format import HEADER, HEADER_SIZE, MAGIC, body_length, key_digest
 
 FP = b"\x07" * 16
 
@@ -61,9 +61,9 @@ def test_lookup_is_one_round_trip(dp: RedisDataPlane, monkeypatch: pytest.Monkey
     sent: list[int] = []
     real = resp.send_buffers
 
-    def counting(sock, buffers, *, use_sendmsg):  # type: ignore[no-untyped-def]
+    def counting(sock, buffers, *, use_sendmsg, deadline=None):  # type: ignore[no-untyped-def]
         sent.append(len(buffers))
-        return real(sock, buffers, use_sendmsg=use_sendmsg)
+        return real(sock, buffers, use_sendmsg=use_sendmsg, deadline=deadline)
 
     monkeypatch.setattr("umbp_redis.dataplane.send_buffers", counting)
     dp.lookup(keys_for(1000))
@@ -160,8 +160,8 @@ def test_memory_footprint_within_2_percent(redis_url: str) -> None:
 # --- load: invalid values ------------------------------------------------------------
 
 
-def _stored(dp: RedisDataPlane, size: int = 65536) -> tuple[str, np.ndarray]:
-    k = keys_for(1, "inv")[0]
+def _stored(dp: RedisDataPlane, size: int = 65536, tag: str = "inv") -> tuple[str, np.ndarray]:
+    k = keys_for(1, tag)[0]
     src = payloads(1, size, seed=9)
     assert dp.store([(k, src[0])], FP) == [StoreStatus.STORED]
     return k, src
@@ -180,7 +180,8 @@ def test_missing_and_wrong_fingerprint(dp: RedisDataPlane) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage", ["short", "long", "magic", "version", "checksum", "body", "type", "no_body"]
+    "damage",
+    ["short", "long", "magic", "version", "checksum", "body", "no_body", "other_key", "no_csum"],
 )
 def test_each_invalid_value_is_reported_invalid(
     dp: RedisDataPlane, redis_url: str, damage: str
@@ -203,11 +204,16 @@ def test_each_invalid_value_is_reported_invalid(
         r.hset(k, "b", bytes(b))
     elif damage == "body":
         r.hset(k, "b", (r.hget(k, "b") or b"")[:-1])
-    elif damage == "type":
-        r.delete(k)
-        r.set(k, b"plain string")
     elif damage == "no_body":
         r.hdel(k, "b")
+    elif damage == "other_key":  # a well-formed value of another block, checksum and all
+        k_other, _ = _stored(dp, tag="other")
+        r.copy(k_other, k, replace=True)
+    elif damage == "no_csum":  # a writer without checksums; this reader requires them
+        plain = make_dp(redis_url, checksum=False)
+        assert plain.store([(k, src[0])], FP) == [StoreStatus.STORED]
+        plain.close()
+        assert dp.settings.checksum
     assert _load_one(dp, k) is LoadStatus.INVALID
     # The connection stays in sync: the next load on it is right.
     k2 = keys_for(1, "ok")[0]
@@ -218,6 +224,89 @@ def test_each_invalid_value_is_reported_invalid(
     assert np.array_equal(dst, good[0])
 
 
+def test_a_key_of_another_type_is_an_error_not_invalid(dp: RedisDataPlane, redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    k = keys_for(1, "str")[0]
+    r.set(k, b"plain string")  # not ours: WRONGTYPE says nothing about our bytes
+    assert _load_one(dp, k) is LoadStatus.ERROR
+    assert r.get(k) == b"plain string"
+
+
+class _ScriptedServer:
+    """A TCP server answering each received buffer with ``reply(data)`` (or never)."""
+
+    def __init__(self, reply: Callable[[bytes], bytes | None]) -> None:
+        self.reply = reply
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._client, args=(c,), daemon=True).start()
+
+    def _client(self, c: socket.socket) -> None:
+        with c:
+            while True:
+                try:
+                    data = c.recv(1 << 20)
+                except OSError:
+                    return
+                if not data:
+                    return
+                if data.startswith(b"*3\r\n$6\r\nCLIENT"):  # the handshake
+                    c.sendall(b"+OK\r\n")
+                    continue
+                out = self.reply(data)
+                if out is not None:
+                    c.sendall(out)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        b"MOVED 3999 127.0.0.1:6381",
+        b"ASK 3999 127.0.0.1:6381",
+        b"CLUSTERDOWN The cluster is down",
+        b"READONLY You can't write against a read only replica.",
+        b"NOPERM No permissions to access a key",
+        b"OOM command not allowed when used memory > 'maxmemory'.",
+        b"TRYAGAIN Multiple keys request during rehashing of slot",
+    ],
+)
+def test_error_replies_to_a_load_are_errors_never_invalid(error: bytes) -> None:
+    srv = _ScriptedServer(lambda data: b"-" + error + b"\r\n" * data.count(b"HMGET"))
+    d = make_dp(srv.url, fail_fast_s=0)
+    assert _load_one(d, keys_for(1)[0]) is LoadStatus.ERROR
+    assert d.stats.snapshot()["load_invalid"] == 0
+    d.close()
+    srv.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b":abc\r\n", b"$zz\r\n", b"*2\r\n$99999999999999\r\n", b"?\r\n", b":-\r\n"],
+)
+def test_malformed_replies_are_misses_never_exceptions(reply: bytes) -> None:
+    srv = _ScriptedServer(lambda data: reply * 4)
+    d = make_dp(srv.url, fail_fast_s=0, lookup_timeout_s=0.5)
+    assert d.lookup(keys_for(3)) is None
+    assert _load_one(d, keys_for(1)[0]) in (LoadStatus.ERROR, LoadStatus.INVALID)
+    assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
+    d.close()
+    srv.close()
+
+
 def test_header_is_readable_with_redis_cli(dp: RedisDataPlane, redis_server: EmbeddedRedis) -> None:
     k, _ = _stored(dp)
     out = subprocess.run(
@@ -225,10 +314,11 @@ def test_header_is_readable_with_redis_cli(dp: RedisDataPlane, redis_server: Emb
         capture_output=True,
         timeout=10,
     ).stdout
-    assert out.startswith(b'"UMBP\\x01\\x00')  # magic then version 1, little-endian
+    assert out.startswith(b'"UMBP\\x02\\x00')  # magic then version 2, little-endian
     raw = redis.Redis(port=redis_server.port).hget(k, "h") or b""
-    magic, version, flags, fp, plen, blen, _ = HEADER.unpack_from(raw)
-    assert (magic, version, fp, plen, blen) == (MAGIC, 1, FP, 65536, 65520)
+    magic, version, flags, fp, plen, blen, _, digest = HEADER.unpack_from(raw)
+    assert (magic, version, fp, plen, blen) == (MAGIC, 2, FP, 65536, 65520)
+    assert flags == 1 and digest == key_digest(k.encode())  # checksummed, bound to its key
 
 
 # --- bytes in flight -----------------------------------------------------------------
@@ -309,10 +399,10 @@ def test_a_store_cut_before_its_exec_leaves_no_value_without_ttl(
     but not the EXEC: nothing may be written, or the value would never expire."""
     r = redis.Redis.from_url(own_redis.url)
     d = make_dp(own_redis.url, transfer_connections=1)
-    assert d.lookup(keys_for(1, "warm")) == [False]  # the pool's connection is open
-    assert r.info("clients")["connected_clients"] == 2
+    assert d.store([(keys_for(1, "warm")[0], payloads(1, 64)[0])], FP) == [StoreStatus.STORED]
+    assert r.info("clients")["connected_clients"] == 2  # the pool's connection is open
 
-    def cut(sock: socket.socket, buffers: list, *, use_sendmsg: bool) -> None:  # type: ignore[type-arg]
+    def cut(sock: socket.socket, buffers: list, *, use_sendmsg: bool, deadline=None) -> None:  # type: ignore[no-untyped-def, type-arg]
         wire = b"".join(bytes(b) for b in buffers)
         sock.sendall(wire[: wire.rindex(cut_before)])
         sock.close()

@@ -35,7 +35,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0
-    return handler(args)
+    from umbp_redis.errors import ConfigError
+
+    try:
+        return handler(args)
+    except ConfigError as e:
+        print(f"umbp-redis: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

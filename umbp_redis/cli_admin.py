@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -17,15 +16,16 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from umbp_redis.keys import namespace_pattern, parse_key
+from umbp_redis.config import DEFAULT_URL, RedisSettings
+from umbp_redis.keys import _NAMESPACE_RE, namespace_pattern, parse_key
 from umbp_redis.value_format import (
     HEADER_SIZE,
     InvalidValue,
     checksum,
     decode_header,
+    key_digest,
 )
 
-DEFAULT_URL = "redis://localhost:6379/0"
 _PROGRESS_EVERY = 10_000
 
 
@@ -58,7 +58,11 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("purge", help="delete one namespace's keys (UNLINK in batches)")
     common(p)
-    p.add_argument("--namespace", required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--namespace", help="the namespace to delete (exact name: no globs, never empty)"
+    )
+    which.add_argument("--all", action="store_true", help="every umbp-redis key of every namespace")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(handler=cmd_purge)
 
@@ -68,10 +72,18 @@ def register(sub: Any) -> None:
 
 
 def _client(args: argparse.Namespace) -> Any:
+    """A redis-py client for ``--redis-url`` (else ``$UMBP_REDIS_URL``, else the default).
+
+    The URL is read by the connector's own parser, so a URL means the same server, user
+    and password here as in ``kv_connector_extra_config``; ``$UMBP_REDIS_PASSWORD``
+    supplies a password the URL leaves out.
+    """
     import redis
 
-    url = args.redis_url or os.environ.get("UMBP_REDIS_URL") or DEFAULT_URL
-    return redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10)
+    settings = RedisSettings.from_options({"redis_url": args.redis_url})
+    kw = settings.redispy_kwargs()
+    kw["socket_connect_timeout"] = 2
+    return redis.Redis(**kw, socket_timeout=10)
 
 
 def _scan(r: Any, namespace: str | None) -> Iterator[bytes]:
@@ -215,6 +227,10 @@ def inspect_value(r: Any, key: str) -> dict[str, Any]:
         )
         if len(body) != hdr.body_len:
             raise InvalidValue(f"body is {len(body)} bytes, header says {hdr.body_len}")
+        bound = hdr.key_digest == key_digest(key.encode())
+        info["key_digest"] = "ok" if bound else "MISMATCH"
+        if not bound:
+            raise InvalidValue("key digest differs: the value was written under another key")
         if hdr.has_checksum:
             ok = checksum(body + h[HEADER_SIZE:]) == hdr.checksum
             info["checksum"] = "ok" if ok else "MISMATCH"
@@ -298,18 +314,35 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    """``purge --namespace NS``: UNLINK the namespace's keys, 500 per round trip."""
+    """``purge --namespace NS`` or ``purge --all``: UNLINK those keys, 500 per round trip.
+
+    A namespace must be an exact name (an empty one or a glob would match others);
+    both forms ask for confirmation unless ``--yes``; exit 2 on a refused argument.
+    """
+    if not args.all and not _NAMESPACE_RE.match(args.namespace or ""):
+        print(
+            f"refusing to purge namespace {args.namespace!r}: give an exact namespace "
+            "(1-64 letters, digits, '_', '.', '-'; no globs), or --all for every namespace",
+            file=sys.stderr,
+        )
+        return 2
+    what = (
+        "every umbp-redis key of every namespace"
+        if args.all
+        else (f"every key of namespace {args.namespace}")
+    )
     r = _client(args)
     if not args.yes:
         if not sys.stdin.isatty():
             print("refusing to purge without --yes (no terminal to ask on)", file=sys.stderr)
             return 2
-        answer = input(f"delete every key of namespace {args.namespace}? [y/N] ")
-        if answer.strip().lower() not in ("y", "yes"):
+        want = "all" if args.all else "y"
+        answer = input(f"delete {what}? type {want!r} to confirm: ")
+        if answer.strip().lower() not in ((want,) if args.all else ("y", "yes")):
             print("nothing deleted")
             return 1
     deleted, batch = 0, []
-    for key in _scan(r, args.namespace):
+    for key in _scan(r, None if args.all else args.namespace):
         batch.append(key)
         if len(batch) >= 500:
             deleted += r.unlink(*batch)
@@ -318,8 +351,8 @@ def cmd_purge(args: argparse.Namespace) -> int:
         deleted += r.unlink(*batch)
     _emit(
         args,
-        {"namespace": args.namespace, "deleted": deleted},
-        text=f"deleted {deleted} keys of namespace {args.namespace}",
+        {"namespace": None if args.all else args.namespace, "deleted": deleted},
+        text=f"deleted {deleted} keys" + ("" if args.all else f" of namespace {args.namespace}"),
     )
     return 0
 

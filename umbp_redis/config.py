@@ -34,18 +34,29 @@ MiB = 1 << 20
 OPTIONS: tuple[Option, ...] = (
     Option(
         "redis_url",
-        str,
-        "redis://localhost:6379/0",
-        "Server to use: redis://[user:password@]host:port/db, rediss://... (TLS) or "
-        "unix:///path/to/socket[?db=N]. Falls back to $UMBP_REDIS_URL when unset.",
+        (str, type(None)),
+        None,
+        "Server to use: redis://[[user]:password@]host:port/db, rediss://... (TLS) or "
+        "unix:///path/to/socket[?db=N], read as redis-py reads it (redis://name@host names "
+        "a user, redis://:secret@host a password). When unset: $UMBP_REDIS_URL, else "
+        "redis://localhost:6379/0. A password in it is printed by vLLM's startup log: use "
+        "password_file or $UMBP_REDIS_PASSWORD instead.",
     ),
     Option("username", (str, type(None)), None, "ACL user name (overrides the URL's)."),
     Option(
         "password",
         (str, type(None)),
         None,
-        "Password (overrides the URL's; $UMBP_REDIS_PASSWORD is used when both are unset). "
-        "Never logged.",
+        "Password (overrides the URL's). vLLM prints kv_connector_extra_config in its "
+        "startup log, so prefer password_file or $UMBP_REDIS_PASSWORD. Never logged here.",
+    ),
+    Option(
+        "password_file",
+        (str, type(None)),
+        None,
+        "File whose first line is the password (e.g. a Docker or Kubernetes secret); keeps "
+        "it out of vLLM's config and logs. Used when neither password nor the URL has one; "
+        "$UMBP_REDIS_PASSWORD is used when none of the three is set.",
     ),
     Option(
         "tls_ca_cert",
@@ -97,7 +108,12 @@ OPTIONS: tuple[Option, ...] = (
         "A lookup hit re-arms the object's TTL (in the same round trip).",
     ),
     Option(
-        "checksum", bool, False, "Store an xxh3-64 checksum of each payload and verify it on load."
+        "checksum",
+        bool,
+        True,
+        "Store an xxh3-64 checksum of each payload and require it on load (a value without "
+        "one is a miss). false skips computing it on stores and accepts values without one: "
+        "faster for large objects, but a damaged value then loads as KV.",
     ),
     Option(
         "fail_fast_s",
@@ -155,6 +171,14 @@ OPTIONS: tuple[Option, ...] = (
         "tensors when CuPy is installed, else torch copies), cupy (the kernel; startup fails "
         "where it cannot run) or torch (torch copies, the CPU path).",
         choices=("auto", "cupy", "torch"),
+    ),
+    Option(
+        "store_report_timeout_s",
+        (int, float),
+        120.0,
+        "Blocks pinned for a store whose worker report never arrives are released after "
+        "this long (counted and logged).",
+        minimum=1.0,
     ),
     Option(
         "shutdown_timeout_s",
@@ -255,60 +279,123 @@ class RedisSettings:
 
     @classmethod
     def from_options(cls, extra: Mapping[str, Any] | None) -> RedisSettings:
-        """Parse and validate ``kv_connector_extra_config`` (unknown keys are an error)."""
-        extra = dict(extra or {})
-        if "redis_url" not in extra and os.environ.get("UMBP_REDIS_URL"):
-            extra["redis_url"] = os.environ["UMBP_REDIS_URL"]
+        """Parse and validate ``kv_connector_extra_config`` (unknown keys are an error).
+
+        ``redis_url`` falls back to ``$UMBP_REDIS_URL``, then ``DEFAULT_URL``; the
+        password comes from ``password``, the URL, ``password_file``, then
+        ``$UMBP_REDIS_PASSWORD``, in that order.
+        """
         opts = validate_options(extra)
-        url = opts["redis_url"]
-        parts = urlsplit(url)
-        scheme = parts.scheme
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(
-                f"kv_connector_extra_config['redis_url'] must start with redis://, rediss:// or "
-                f"unix://, got scheme {scheme!r}"
-            )
-        query = parse_qs(parts.query)
-        username = unquote(parts.username) if parts.username else None
-        password = unquote(parts.password) if parts.password else None
-        if username and password is None:  # redis://:password@host or redis://password@host
-            password, username = username, None
-        if parts.username == "" and parts.password:
-            username = None
-        username = opts["username"] or username or (query.get("username") or [None])[0]
-        password = (
-            opts["password"]
-            or password
-            or (query.get("password") or [None])[0]
-            or os.environ.get("UMBP_REDIS_PASSWORD")
-        )
-        try:
-            if scheme == "unix":
-                path = parts.path
-                if not path:
-                    raise ValueError("missing socket path")
-                db = int((query.get("db") or ["0"])[0])
-                host, port = "localhost", 0
-            else:
-                path = None
-                host = parts.hostname or "localhost"
-                port = parts.port or 6379
-                db_text = parts.path.lstrip("/") or (query.get("db") or ["0"])[0]
-                db = int(db_text)
-        except ValueError as e:
-            raise ConfigError(
-                f"kv_connector_extra_config['redis_url'] is malformed ({e}); expected "
-                "redis://[user:password@]host:port/db, rediss://... or unix:///path"
-            ) from None
+        url = opts["redis_url"] or os.environ.get("UMBP_REDIS_URL") or DEFAULT_URL
+        parsed = parse_redis_url(url)
+        username = opts["username"] or parsed.username
+        password = opts["password"] or parsed.password
+        if password is None and opts["password_file"]:
+            password = read_password_file(opts["password_file"])
+        if password is None and os.environ.get("UMBP_REDIS_PASSWORD"):
+            password = os.environ["UMBP_REDIS_PASSWORD"]
         names = {f.name for f in dataclasses.fields(cls)}
         rest = {k: v for k, v in opts.items() if k in names and k not in ("username", "password")}
         return cls(
-            scheme=scheme,
-            host=host,
-            port=port,
-            path=path,
-            db=db,
+            scheme=parsed.scheme,
+            host=parsed.host,
+            port=parsed.port,
+            path=parsed.path,
+            db=parsed.db,
             username=username,
             password=password,
             **rest,
         )
+
+    def redispy_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``redis.Redis`` reaching the same server as this client."""
+        kw: dict[str, Any] = {
+            "db": self.db,
+            "username": self.username,
+            "password": self.password,
+            "socket_connect_timeout": self.connect_timeout_s,
+        }
+        if self.scheme == "unix":
+            return {**kw, "unix_socket_path": self.path}
+        kw.update(host=self.host, port=self.port)
+        if self.tls:
+            kw.update(
+                ssl=True,
+                ssl_ca_certs=self.tls_ca_cert,
+                ssl_certfile=self.tls_cert,
+                ssl_keyfile=self.tls_key,
+                ssl_check_hostname=self.tls_check_hostname,
+            )
+        return kw
+
+
+DEFAULT_URL = "redis://localhost:6379/0"
+
+
+@dataclass(frozen=True)
+class ParsedURL:
+    """The parts of a Redis URL. ``repr`` hides the password."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str | None
+    db: int
+    username: str | None
+    password: str | None = dataclasses.field(default=None, repr=False)
+
+
+def parse_redis_url(url: str) -> ParsedURL:
+    """Parse ``url`` with redis-py's semantics (the connector and the CLI share this).
+
+    ``redis://name@host`` names a user (redis-py then sends ``AUTH name ""``),
+    ``redis://:secret@host`` a password, ``redis://name:secret@host`` both; a
+    ``db``, ``username`` or ``password`` query argument is honoured as redis-py does.
+    Raises ``ConfigError`` naming ``redis_url`` for anything else.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"kv_connector_extra_config['redis_url'] must start with redis://, rediss:// or "
+            f"unix://, got scheme {scheme!r}"
+        )
+    query = {k: v[0] for k, v in parse_qs(parts.query).items() if v}
+    username = unquote(parts.username) if parts.username else query.get("username")
+    password = unquote(parts.password) if parts.password else query.get("password")
+    try:
+        if scheme == "unix":
+            path: str | None = unquote(parts.path)
+            if not path:
+                raise ValueError("missing socket path")
+            host, port = "localhost", 0
+            db = int(query.get("db", "0"))
+        else:
+            path = None
+            host = unquote(parts.hostname) if parts.hostname else "localhost"
+            port = parts.port or 6379
+            if "db" in query:
+                db = int(query["db"])
+            else:
+                db_text = unquote(parts.path).replace("/", "")
+                db = int(db_text) if db_text else 0
+    except ValueError as e:
+        raise ConfigError(
+            f"kv_connector_extra_config['redis_url'] is malformed ({e}); expected "
+            "redis://[[user]:password@]host:port/db, rediss://... or unix:///path"
+        ) from None
+    return ParsedURL(scheme, host, port, path, db, username or None, password or None)
+
+
+def read_password_file(path: str) -> str:
+    """The first line of ``path`` (without its line break); ``ConfigError`` if unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline().rstrip("\r\n")
+    except OSError as e:
+        raise ConfigError(
+            f"kv_connector_extra_config['password_file'] {path!r} cannot be read: {e.strerror or e}"
+        ) from None
+    if not line:
+        raise ConfigError(f"kv_connector_extra_config['password_file'] {path!r} is empty")
+    return line

@@ -1,16 +1,19 @@
 """The Redis data plane shared by the scheduler and the workers.
 
-* ``lookup``: per-key presence of many keys in one round trip (optionally re-arming
-  the TTL of hits), or ``None`` ("unknown") on any error or timeout.
+* ``lookup``: per-key presence of many keys in one round trip on a connection kept
+  warm off the caller's thread (re-arming the TTL of hits, or at least their LRU
+  clock), or ``None`` ("unknown") on any error; one deadline covers all of it.
 * ``store``: many objects from the caller's staging memory, each written as the hash of
   ``value_format`` and its TTL in one ``MULTI``/``EXEC``, payload bytes handed to
   ``sendmsg`` as memoryviews.
 * ``load``: many objects straight into caller buffers (``recv_into``), each validated
-  (magic, version, fingerprint, sizes, optional checksum) before it counts as loaded.
+  (magic, version, key digest, fingerprint, sizes, checksum) before it counts as
+  loaded. Only bytes that fail validation are ``INVALID``; an error reply (MOVED,
+  READONLY, NOPERM, OOM...) or a broken connection is ``ERROR``.
 
 Large batches are spread over several connections; bytes in flight per connection
-are bounded; nothing here raises into the caller for a Redis failure: results say
-per key what happened.
+are bounded; nothing here raises into the caller, for a Redis failure or a
+malformed reply: results say per key what happened.
 """
 
 from __future__ import annotations
@@ -25,11 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from umbp_redis.config import RedisSettings
-from umbp_redis.connection import ConnectionPool, RedisConnection
+from umbp_redis.connection import (
+    AuthAlarm,
+    ConnectionPool,
+    RedisConnection,
+    WarmConnection,
+    refused_command,
+)
 from umbp_redis.errors import (
+    RedisAuthError,
     RedisDataPlaneError,
     RedisLoadingError,
     RedisOOMError,
+    RedisTimeoutError,
 )
 from umbp_redis.resp import Buffer, ErrorReply, bulk_prefix, encode_command, send_buffers
 from umbp_redis.value_format import (
@@ -71,6 +82,7 @@ class DataPlaneStats:
 
     lookups: int = 0
     lookup_errors: int = 0
+    lookup_timeouts: int = 0
     lookup_keys: int = 0
     lookup_hits: int = 0
     stored_objects: int = 0
@@ -82,6 +94,7 @@ class DataPlaneStats:
     load_missing: int = 0
     load_invalid: int = 0
     load_errors: int = 0
+    unexpected_errors: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
@@ -106,6 +119,26 @@ def _exists_cmd(k: bytes) -> bytes:
 
 def _expire_cmd(k: bytes, ttl: bytes) -> bytes:
     return b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(ttl), ttl)
+
+
+def _touch_cmd(keys: Sequence[bytes]) -> bytes:
+    return b"*%d\r\n$5\r\nTOUCH\r\n%s" % (
+        len(keys) + 1,
+        b"".join(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys),
+    )
+
+
+def lookup_commands(keys: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes) -> tuple[bytes, int]:
+    """Pre-encoded presence check of ``keys`` that together form one block, and its reply count.
+
+    With ``refresh_ttl`` one ``EXPIRE`` per key (answers 1 for a hit and re-arms its TTL),
+    else one multi-key ``TOUCH`` (answers how many exist). Both update the keys' LRU
+    clock (``EXISTS`` would not), so a prefix every request relies on stays the most
+    recently used. The block is present iff its replies add up to ``len(keys)``.
+    """
+    if refresh_ttl:
+        return b"".join(_expire_cmd(k, ttl) for k in keys), len(keys)
+    return _touch_cmd(keys), 1
 
 
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
@@ -192,13 +225,50 @@ class RedisDataPlane:
 
     def __init__(self, settings: RedisSettings) -> None:
         self.settings = settings
-        self.pool = ConnectionPool(settings)
+        self.auth = AuthAlarm(settings)
+        self.pool = ConnectionPool(settings, self.auth)
+        self.lookup_conn = WarmConnection(settings, self.auth)
         self.stats = DataPlaneStats()
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, settings.transfer_connections - 1),
             thread_name_prefix="umbp-redis-io",
         )
         self._ttl = str(int(settings.ttl_seconds)).encode()
+        self._unexpected_logged = False
+
+    @property
+    def ttl_arg(self) -> bytes:
+        """The ``ttl_seconds`` option as a command argument."""
+        return self._ttl
+
+    def counters(self) -> dict[str, int]:
+        """Every counter, refused logins and commands (``auth_failures``) included."""
+        return {**self.stats.snapshot(), "auth_failures": self.auth.count}
+
+    def warm_up(self) -> None:
+        """Start making the lookup connection now, off the caller's thread."""
+        self.lookup_conn.start()
+
+    def _unexpected(self, what: str, exc: BaseException) -> None:
+        """Count a bug or malformed reply (logged once per process with its traceback)."""
+        self.stats.add(unexpected_errors=1)
+        if not self._unexpected_logged:
+            self._unexpected_logged = True
+            log.error(
+                "umbp-redis: unexpected error in %s (counted as a miss): %r",
+                what,
+                exc,
+                exc_info=exc,
+            )
+        else:
+            log.debug("unexpected error in %s: %r", what, exc)
+
+    def _note_refusals(self, replies: Sequence[Any], default_command: str) -> None:
+        """Report the first permission refusal among error replies to the auth alarm."""
+        for r in replies:
+            if isinstance(r, ErrorReply) and isinstance(r.exc, RedisAuthError):
+                self.auth.report(refused_command(r.message, default_command), r.message)
+                return
 
     # -- lookup -----------------------------------------------------------------------
 
@@ -212,35 +282,56 @@ class RedisDataPlane:
         """Presence of each key, in order, in one round trip; None when it is unknown.
 
         With ``refresh_ttl`` (default: the ``refresh_ttl_on_lookup`` option) each hit's
-        TTL is re-armed by the same command (``EXPIRE`` answers 1 exactly for hits).
+        TTL is re-armed by the same command (``EXPIRE`` answers 1 exactly for hits);
+        without, ``TOUCH`` checks it and refreshes its LRU clock. Everything (waiting for
+        the connection, sending, reading) ends within ``timeout`` (default
+        ``lookup_timeout_s``).
         """
         if not keys:
             return []
         refresh = self.settings.refresh_ttl_on_lookup if refresh_ttl is None else refresh_ttl
-        ttl = self._ttl
         kb = [_key_bytes(k) for k in keys]
-        buf = (
-            b"".join(_expire_cmd(k, ttl) for k in kb)
-            if refresh
-            else b"".join(_exists_cmd(k) for k in kb)
-        )
+        buf = b"".join(lookup_commands([k], refresh_ttl=refresh, ttl=self._ttl)[0] for k in kb)
+        replies = self.lookup_replies(buf, len(kb), timeout=timeout)
+        if replies is None:
+            return None
+        present = [r == 1 for r in replies]
+        self.stats.add(lookup_keys=len(kb), lookup_hits=sum(present))
+        return present
+
+    def lookup_replies(
+        self, buf: bytes, count: int, *, timeout: float | None = None
+    ) -> list[int] | None:
+        """Send pre-encoded lookup commands (``lookup_commands``) and read their ``count``
+        integer replies, all within ``timeout`` (default ``lookup_timeout_s``); None on any
+        error, timeout or error reply (counted; never raises).
+        """
         wait = self.settings.lookup_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        self.stats.add(lookups=1)
         try:
-            replies = self._int_round_trip(buf, len(kb), timeout=wait)
+            with self.lookup_conn.connection(deadline) as conn:
+                send_buffers(conn.sock, [buf], use_sendmsg=False, deadline=deadline)
+                replies = conn.reader.read_int_replies(count)
+        except RedisTimeoutError as e:
+            self.stats.add(lookup_errors=1, lookup_timeouts=1)
+            log.debug("lookup of %d replies timed out: %s", count, e)
+            return None
         except RedisDataPlaneError as e:
-            self.stats.add(lookups=1, lookup_errors=1)
-            log.debug("lookup of %d keys failed: %s", len(kb), e)
+            self.stats.add(lookup_errors=1)
+            log.debug("lookup of %d replies failed: %s", count, e)
+            return None
+        except Exception as e:  # a bug or a malformed reply is a miss, never an exception
+            self.stats.add(lookup_errors=1)
+            self._unexpected("lookup", e)
             return None
         errors = [r for r in replies if isinstance(r, ErrorReply)]
         if errors:
-            self.stats.add(lookups=1, lookup_errors=1)
+            self.stats.add(lookup_errors=1)
             log.debug("lookup got error replies: %s", errors[0])
-            if isinstance(errors[0].exc, RedisLoadingError):
-                self.pool.note_failure(errors[0].exc)
+            self._note_refusals(errors, "EXPIRE")
             return None
-        present = [r == 1 for r in replies]
-        self.stats.add(lookups=1, lookup_keys=len(kb), lookup_hits=sum(present))
-        return present
+        return [int(r) for r in replies]
 
     # -- shared round trips ------------------------------------------------------------
 
@@ -295,6 +386,9 @@ class RedisDataPlane:
                 return run(rng)
             except RedisDataPlaneError as e:
                 log.debug("transfer of %d objects failed: %s", len(rng), e)
+                return [on_error] * len(rng)
+            except Exception as e:  # a bug or malformed reply fails these keys, nothing more
+                self._unexpected("transfer", e)
                 return [on_error] * len(rng)
 
         futures = [self._executor.submit(guarded, c) for c in chunks[1:]]
@@ -396,7 +490,9 @@ class RedisDataPlane:
         with_checksum = self.settings.checksum
         pending_small = bytearray()
         for key, payload in group:
-            field_h, body_len = encode_header(fingerprint, payload, with_checksum=with_checksum)
+            field_h, body_len = encode_header(
+                fingerprint, payload, key, with_checksum=with_checksum
+            )
             pending_small += _MULTI + (
                 b"*6\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n$1\r\nb\r\n%s"
                 % (len(key), key, bulk_prefix(len(field_h)), field_h, bulk_prefix(body_len))
@@ -407,8 +503,7 @@ class RedisDataPlane:
         bufs.append(bytes(pending_small))
         send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
 
-    @staticmethod
-    def _read_stores(conn: RedisConnection, n: int) -> list[StoreStatus]:
+    def _read_stores(self, conn: RedisConnection, n: int) -> list[StoreStatus]:
         reader = conn.reader
         out = []
         loading: RedisLoadingError | None = None
@@ -424,6 +519,10 @@ class RedisDataPlane:
                 out.append(StoreStatus.STORED)
                 continue
             replies = [reader.read_reply() for _ in range(4)]
+            # A refused MULTI is handled (commands then run one by one); the rest is not.
+            self._note_refusals(
+                [r for x in replies[1:] for r in (x if isinstance(x, list) else [x])], "HSET"
+            )
             status, err = _transaction_status(*replies)
             if isinstance(err, RedisLoadingError):
                 loading = err
@@ -476,22 +575,32 @@ class RedisDataPlane:
                 lambda g: send_buffers(
                     conn.sock, [b"".join(_hmget_cmd(sub[idx[j]][0]) for j in g)], use_sendmsg=False
                 ),
-                lambda g: [self._read_load(conn, sub[idx[j]][1], fingerprint) for j in g],
+                lambda g: [
+                    self._read_load(conn, sub[idx[j]][0], sub[idx[j]][1], fingerprint) for j in g
+                ],
             )
 
-    def _read_load(self, conn: RedisConnection, dest: memoryview, fingerprint: bytes) -> LoadStatus:
+    def _read_load(
+        self, conn: RedisConnection, key: bytes, dest: memoryview, fingerprint: bytes
+    ) -> LoadStatus:
         r = conn.reader
         n = r.read_array_header()
         if isinstance(n, ErrorReply):
+            # MOVED, ASK, READONLY, NOPERM, WRONGTYPE...: the server did not hand over
+            # bytes, so nothing is known about the value: an error, never "invalid".
             if isinstance(n.exc, RedisLoadingError):
                 raise n.exc
-            return LoadStatus.INVALID  # e.g. WRONGTYPE: not an object of ours
+            self._note_refusals([n], "HMGET")
+            return LoadStatus.ERROR
         if n != 2:
             raise RedisDataPlaneError(f"HMGET returned {n} fields")
         hlen = r.read_bulk_header()
         if isinstance(hlen, ErrorReply):
             raise RedisDataPlaneError(hlen.message)
-        field_h = None if hlen < 0 else r.read_exact(hlen + 2)[:-2]
+        too_long = hlen > HEADER_SIZE + dest.nbytes
+        field_h = None if hlen < 0 or too_long else r.read_exact(hlen + 2)[:-2]
+        if too_long:
+            r.skip(hlen + 2)
         blen = r.read_bulk_header()
         if isinstance(blen, ErrorReply):
             raise RedisDataPlaneError(blen.message)
@@ -499,13 +608,18 @@ class RedisDataPlane:
             if blen >= 0:
                 r.skip(blen + 2)
                 return LoadStatus.INVALID
-            return LoadStatus.MISSING
+            return LoadStatus.INVALID if too_long else LoadStatus.MISSING
         try:
             if blen < 0:
                 raise InvalidValue("body field missing")
             hdr = decode_header(field_h)
             validate_header(
-                hdr, fingerprint=fingerprint, payload_len=dest.nbytes, body_field_len=blen
+                hdr,
+                fingerprint=fingerprint,
+                payload_len=dest.nbytes,
+                body_field_len=blen,
+                key=key,
+                require_checksum=self.settings.checksum,
             )
         except InvalidValue as e:
             log.debug("invalid value: %s", e)
@@ -545,6 +659,7 @@ class RedisDataPlane:
     def close(self) -> None:
         """Stop the I/O threads and close connections."""
         self._executor.shutdown(wait=True)
+        self.lookup_conn.close()
         self.pool.close()
 
 

@@ -9,6 +9,7 @@ into a destination buffer with ``recv_into``.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,25 @@ from umbp_redis.errors import (
 Buffer = Any  # any object with the buffer protocol (bytes, memoryview, numpy array)
 CRLF = b"\r\n"
 _READ_CHUNK = 256 * 1024
+# A reply field this client buffers whole (lines, small bulks) is never larger than this;
+# larger lengths are a malformed or hostile reply, not something to allocate for.
+MAX_BUFFERED_REPLY = 64 << 20
+
+
+def parse_int(text: bytes | bytearray) -> int:
+    """A RESP integer or length; a malformed one is a ``RedisProtocolError``."""
+    try:
+        return int(text)
+    except ValueError:
+        raise RedisProtocolError(f"malformed integer in reply: {bytes(text[:20])!r}") from None
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (monotonic); ``RedisTimeoutError`` once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RedisTimeoutError("deadline passed")
+    return left
 
 
 def encode_command(*args: bytes | str | int) -> bytes:
@@ -61,11 +81,16 @@ class ReplyReader:
         self.view = memoryview(self.buf)
         self.start = 0
         self.end = 0
+        # When set (monotonic seconds), every receive waits at most until then: one
+        # deadline covers a whole exchange, however many reads it takes.
+        self.deadline: float | None = None
 
     # -- low level -------------------------------------------------------------------
 
     def _recv_into(self, mv: memoryview) -> int:
         try:
+            if self.deadline is not None:
+                self.sock.settimeout(remaining(self.deadline))
             n = self.sock.recv_into(mv)
         except TimeoutError:
             raise RedisTimeoutError("timed out waiting for Redis") from None
@@ -79,6 +104,9 @@ class ReplyReader:
         """Read more bytes into the buffer, compacting or growing it when full."""
         if self.start == self.end:
             self.start = self.end = 0
+            if len(self.buf) > 4 * _READ_CHUNK:  # a large reply grew it: give memory back
+                self.buf = bytearray(_READ_CHUNK)
+                self.view = memoryview(self.buf)
         elif self.end == len(self.buf):
             if self.start > 0:
                 n = self.end - self.start
@@ -97,6 +125,8 @@ class ReplyReader:
                 line = bytes(self.buf[self.start : i])
                 self.start = i + 2
                 return line
+            if self.end - self.start > 65536:
+                raise RedisProtocolError("reply line longer than 64 KiB")
             self._fill()
 
     def read_exact_into(self, dest: memoryview) -> None:
@@ -113,6 +143,8 @@ class ReplyReader:
 
     def read_exact(self, n: int) -> bytes:
         """``n`` bytes from the stream."""
+        if n > MAX_BUFFERED_REPLY:
+            raise RedisProtocolError(f"reply field of {n} bytes is larger than expected")
         while self.end - self.start < n:
             self._fill()
         out = bytes(self.buf[self.start : self.start + n])
@@ -152,15 +184,15 @@ class ReplyReader:
         if kind == b"-":
             return ErrorReply(rest.decode(errors="replace"))
         if kind == b":":
-            return int(rest)
+            return parse_int(rest)
         if kind == b"$":
-            n = int(rest)
+            n = parse_int(rest)
             if n < 0:
                 return None
             data = self.read_exact(n + 2)
             return data[:-2]
         if kind == b"*":
-            n = int(rest)
+            n = parse_int(rest)
             if n < 0:
                 return None
             return [self.read_reply() for _ in range(n)]
@@ -170,7 +202,7 @@ class ReplyReader:
         """An array header's length (-1 for a null array), or the error reply instead."""
         line = self.read_line()
         if line[:1] == b"*":
-            return int(line[1:])
+            return parse_int(line[1:])
         if line[:1] == b"-":
             return ErrorReply(line[1:].decode(errors="replace"))
         raise RedisProtocolError(f"expected an array, got {line[:20]!r}")
@@ -179,7 +211,7 @@ class ReplyReader:
         """A bulk string's length (-1 for null), or the error reply instead."""
         line = self.read_line()
         if line[:1] == b"$":
-            return int(line[1:])
+            return parse_int(line[1:])
         if line[:1] == b"-":
             return ErrorReply(line[1:].decode(errors="replace"))
         raise RedisProtocolError(f"expected a bulk string, got {line[:20]!r}")
@@ -193,7 +225,12 @@ class ReplyReader:
             avail = (self.end - self.start) // 4
             k = min(avail, count - len(out))
             chunk = self.buf[self.start : self.start + 4 * k]
-            if chunk[0::4] == b":" * k and chunk[2::4] == b"\r" * k and chunk[3::4] == b"\n" * k:
+            if (
+                chunk[0::4] == b":" * k
+                and chunk[2::4] == b"\r" * k
+                and chunk[3::4] == b"\n" * k
+                and chunk[1::4].isdigit()
+            ):
                 out.extend(c - 48 for c in chunk[1::4])
                 self.start += 4 * k
                 continue
@@ -211,17 +248,31 @@ def raise_if_error(reply: Any) -> Any:
     return reply
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[Buffer], *, use_sendmsg: bool) -> None:
-    """Send every buffer in order without joining them (scatter-gather when possible)."""
+def send_buffers(
+    sock: socket.socket,
+    buffers: Sequence[Buffer],
+    *,
+    use_sendmsg: bool,
+    deadline: float | None = None,
+) -> None:
+    """Send every buffer in order without joining them (scatter-gather when possible).
+
+    With ``deadline`` (monotonic seconds) the whole send finishes by then or raises
+    ``RedisTimeoutError``.
+    """
     try:
         if not use_sendmsg:
             for b in buffers:
+                if deadline is not None:
+                    sock.settimeout(remaining(deadline))
                 sock.sendall(b)
             return
         pending = [memoryview(b).cast("B") for b in buffers if len(b)]
         i = 0
         while i < len(pending):
             batch = pending[i : i + 512]
+            if deadline is not None:
+                sock.settimeout(remaining(deadline))
             sent = sock.sendmsg(batch)
             # Advance past fully sent buffers and trim a partly sent one.
             while sent > 0:

@@ -14,12 +14,17 @@ Header (little-endian)::
 
     offset size field
     0      4    magic  b"UMBP"
-    4      2    format version (1)
+    4      2    format version (2)
     6      2    flags (bit 0: checksum present)
     8      16   layout fingerprint of the object
     24     8    payload length
     32     8    body length (length of field b)
     40     8    xxh3-64 of the payload (0 without checksum)
+    48     16   key digest: xxh3-128 of the full key the value was written under
+
+The key digest binds a value to its identity (namespace, rank labels, cache group and
+block hash are all in the key): a value copied or renamed to another key fails
+validation there. A reader that requires checksums rejects a value without one.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"UMBP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FLAG_CHECKSUM = 1
-HEADER = struct.Struct("<4sHH16sQQQ")
-HEADER_SIZE = HEADER.size  # 48
+HEADER = struct.Struct("<4sHH16sQQQ16s")
+HEADER_SIZE = HEADER.size  # 64
+KEY_DIGEST_SIZE = 16
 HEADER_FIELD = b"h"
 BODY_FIELD = b"b"
 # Bytes the server adds to a string allocation (sds header and terminator), rounded up.
@@ -63,6 +69,11 @@ def checksum(payload: memoryview | bytes | bytearray) -> int:
     return int(xxhash.xxh3_64_intdigest(payload))
 
 
+def key_digest(key: bytes) -> bytes:
+    """The 16-byte digest of a full key that a value's header carries (xxh3-128)."""
+    return xxhash.xxh3_128_digest(key)
+
+
 @dataclass(frozen=True)
 class ValueHeader:
     """The decoded header of one stored value."""
@@ -73,6 +84,7 @@ class ValueHeader:
     payload_len: int
     body_len: int
     checksum: int
+    key_digest: bytes = b""
 
     @property
     def has_checksum(self) -> bool:
@@ -86,16 +98,23 @@ class ValueHeader:
 
 
 def encode_header(
-    fingerprint: bytes, payload: memoryview, *, with_checksum: bool
+    fingerprint: bytes, payload: memoryview, key: bytes, *, with_checksum: bool
 ) -> tuple[bytes, int]:
-    """The ``h`` field for ``payload`` (header plus tail) and the body length."""
+    """The ``h`` field for ``payload`` stored under ``key`` (header plus tail), body length."""
     if len(fingerprint) != 16:
         raise ValueError("layout fingerprint must be 16 bytes")
     n = payload.nbytes
     body = body_length(n)
     csum = checksum(payload) if with_checksum else 0
     head = HEADER.pack(
-        MAGIC, FORMAT_VERSION, FLAG_CHECKSUM if with_checksum else 0, fingerprint, n, body, csum
+        MAGIC,
+        FORMAT_VERSION,
+        FLAG_CHECKSUM if with_checksum else 0,
+        fingerprint,
+        n,
+        body,
+        csum,
+        key_digest(key),
     )
     return head + payload[body:].tobytes(), body
 
@@ -104,14 +123,15 @@ def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
     """Parse field ``h``; raises ``InvalidValue`` if it is not a header of this format."""
     if len(field_h) < HEADER_SIZE:
         raise InvalidValue(f"header field is {len(field_h)} bytes, shorter than {HEADER_SIZE}")
-    magic, version, flags, fp, plen, blen, csum = HEADER.unpack_from(field_h, 0)
-    if magic != MAGIC:
-        raise InvalidValue(f"bad magic {magic!r}")
+    if bytes(field_h[:4]) != MAGIC:
+        raise InvalidValue(f"bad magic {bytes(field_h[:4])!r}")
+    version = int.from_bytes(field_h[4:6], "little")
     if version != FORMAT_VERSION:
         raise InvalidValue(f"unsupported format version {version}")
+    magic, version, flags, fp, plen, blen, csum, kd = HEADER.unpack_from(field_h, 0)
     if blen > plen:
         raise InvalidValue(f"body length {blen} exceeds payload length {plen}")
-    hdr = ValueHeader(version, flags, bytes(fp), plen, blen, csum)
+    hdr = ValueHeader(version, flags, bytes(fp), plen, blen, csum, bytes(kd))
     if len(field_h) != HEADER_SIZE + hdr.tail_len:
         raise InvalidValue(
             f"header field holds {len(field_h) - HEADER_SIZE} tail bytes, expected {hdr.tail_len}"
@@ -120,9 +140,22 @@ def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
 
 
 def validate_header(
-    hdr: ValueHeader, *, fingerprint: bytes, payload_len: int, body_field_len: int
+    hdr: ValueHeader,
+    *,
+    fingerprint: bytes,
+    payload_len: int,
+    body_field_len: int,
+    key: bytes,
+    require_checksum: bool,
 ) -> None:
-    """Raise ``InvalidValue`` unless ``hdr`` describes an object of this layout and size."""
+    """Raise ``InvalidValue`` unless ``hdr`` describes this key's object of this layout and size.
+
+    With ``require_checksum`` a value written without a checksum is invalid too.
+    """
+    if hdr.key_digest != key_digest(key):
+        raise InvalidValue("key digest differs: the value was written under another key")
+    if require_checksum and not hdr.has_checksum:
+        raise InvalidValue("value has no checksum and this reader requires one")
     if hdr.fingerprint != fingerprint:
         raise InvalidValue(
             f"layout fingerprint {hdr.fingerprint.hex()} differs from {fingerprint.hex()}"
