@@ -53,6 +53,7 @@ class AuthAlarm:
         self.settings = settings
         self.count = 0
         self._logged_at: float | None = None
+        self._login_refused = False
         self._lock = threading.Lock()
 
     def report(self, command: str, message: str) -> None:
@@ -60,6 +61,7 @@ class AuthAlarm:
         now = time.monotonic()
         with self._lock:
             self.count += 1
+            self._login_refused = command in ("AUTH", "SELECT")
             quiet = self._logged_at is not None and now - self._logged_at < AUTH_LOG_INTERVAL_S
             if not quiet:
                 self._logged_at = now
@@ -75,8 +77,13 @@ class AuthAlarm:
             )
 
     def clear(self) -> None:
-        """A login succeeded: the next refusal opens a new window."""
-        self._logged_at = None
+        """A login succeeded: after a refused login, the next refusal opens a new window.
+
+        (A refused command is not cured by a login: its window runs its course.)
+        """
+        if self._login_refused:
+            self._login_refused = False
+            self._logged_at = None
 
 
 def refused_command(message: str, default: str) -> str:

@@ -1,0 +1,231 @@
+"""Lookups never wait longer than ``lookup_timeout_s``; auth problems are loud, not silent.
+
+Real redis-server processes, plus raw sockets for servers that never answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from umbp_redis.config import RedisSettings
+from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
+from umbp_redis.embedded_redis import EmbeddedRedis
+
+FP = b"\x05" * 16
+TIMEOUT = 0.25
+# Scheduling noise on a loaded 2-core machine; the bug this guards against cost seconds.
+MARGIN = 0.2
+
+
+def keys_for(n: int, tag: str = "b") -> list[str]:
+    return [f"umbp:vllm:v1:bl:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
+
+
+def make_dp(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
+    return RedisDataPlane(RedisSettings.from_url(url, lookup_timeout_s=TIMEOUT, **kw))
+
+
+def timed_lookups(dp: RedisDataPlane, n: int = 8) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        assert dp.lookup(keys_for(50)) is None
+        out.append(time.monotonic() - t0)
+    return out
+
+
+class _SilentServer:
+    """Accepts connections and reads what is sent, never answering."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.clients: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.clients.append(c)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.clients:
+            c.close()
+
+
+@pytest.fixture
+def silent() -> Iterator[_SilentServer]:
+    s = _SilentServer()
+    yield s
+    s.close()
+
+
+def test_a_server_that_accepts_and_never_replies(silent: _SilentServer) -> None:
+    dp = make_dp(f"redis://127.0.0.1:{silent.port}/0", op_timeout_s=5.0, connect_timeout_s=5.0)
+    times = timed_lookups(dp)
+    assert max(times) < TIMEOUT + MARGIN, times
+    dp.close()
+
+
+def test_an_address_that_drops_syns() -> None:
+    # A listener that never accepts, its backlog filled: the kernel drops further SYNs
+    # and a connect hangs until its own timeout.
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(0)
+    port = lst.getsockname()[1]
+    fillers = []
+    for _ in range(8):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        fillers.append(s)
+    time.sleep(0.1)
+    probe = socket.socket()
+    probe.settimeout(0.3)
+    with pytest.raises(OSError):  # the setup works: a connect does hang
+        probe.connect(("127.0.0.1", port))
+    probe.close()
+    dp = make_dp(f"redis://127.0.0.1:{port}/0", connect_timeout_s=5.0)
+    times = timed_lookups(dp)
+    assert max(times) < TIMEOUT + MARGIN, times
+    dp.close()
+    for s in [*fillers, lst]:
+        s.close()
+
+
+def test_debug_sleep_bounds_lookups_and_opens_no_fail_fast_window(
+    own_redis: EmbeddedRedis,
+) -> None:
+    r = redis.Redis.from_url(own_redis.url)
+    r.config_set("enable-debug-command", "yes") if _debug_needs_enabling(r) else None
+    dp = make_dp(own_redis.url, fail_fast_s=5.0)
+    k = keys_for(1, "s")[0]
+    assert dp.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
+    assert dp.lookup([k]) == [True]  # the warm connection is up
+    sleeper = threading.Thread(
+        target=lambda: redis.Redis.from_url(own_redis.url).execute_command("DEBUG", "SLEEP", "1.2")
+    )
+    sleeper.start()
+    time.sleep(0.1)
+    times = timed_lookups(dp, n=3)
+    assert max(times) < TIMEOUT + MARGIN, times
+    sleeper.join()
+    # A slow reply is not a dead server: no 5 s fail-fast window for either kind of call.
+    assert dp.lookup_conn.health.healthy and dp.pool.healthy
+    deadline = time.monotonic() + 1.0
+    while dp.lookup([k]) != [True]:  # the lookup connection is re-made in the background
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    dst = np.zeros(64, dtype=np.uint8)
+    assert dp.load([(k, memoryview(dst))], FP) == [LoadStatus.LOADED]
+    assert dp.stats.snapshot()["lookup_timeouts"] >= 3
+    dp.close()
+
+
+def _debug_needs_enabling(r: redis.Redis) -> bool:
+    try:
+        return r.config_get("enable-debug-command").get("enable-debug-command") == "no"
+    except redis.ResponseError:
+        return False
+
+
+def test_lookups_and_stores_keep_separate_health(own_redis: EmbeddedRedis) -> None:
+    dp = make_dp(own_redis.url, fail_fast_s=30.0)
+    k = keys_for(1, "h")[0]
+    assert dp.lookup([k]) == [False]
+    dp.pool.note_failure(RuntimeError("a failed transfer"))  # transfers fail fast now
+    assert dp.store([(k, np.ones(8, dtype=np.uint8))], FP) == [StoreStatus.ERROR]
+    assert dp.lookup([k]) == [False]  # lookups are unaffected
+    dp.close()
+
+
+@pytest.fixture
+def secured() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(["--requirepass", "right-pass"]) as srv:
+        r = redis.Redis(port=srv.port, password="right-pass")
+        r.acl_setuser(
+            "umbp", enabled=True, passwords=["+umbp-pass"], keys=["umbp:*"], commands=["+@all"]
+        )
+        r.acl_setuser(
+            "outsider", enabled=True, passwords=["+out-pass"], keys=["other:*"], commands=["+@all"]
+        )
+        r.acl_setuser(
+            "lean",
+            enabled=True,
+            passwords=["+lean-pass"],
+            keys=["umbp:*"],
+            commands=["+@all", "-client"],
+        )
+        yield srv
+
+
+@pytest.mark.parametrize(
+    "user, password, command",
+    [
+        (None, "wrong-pass", "AUTH"),
+        (None, None, "AUTH"),  # no password at all: NOAUTH on the first command
+        ("outsider", "out-pass", "EXPIRE"),  # logged in, no rights on umbp:* keys
+    ],
+)
+def test_auth_failures_are_logged_once_at_error_and_counted(
+    secured: EmbeddedRedis,
+    caplog: pytest.LogCaptureFixture,
+    user: str | None,
+    password: str | None,
+    command: str,
+) -> None:
+    settings = RedisSettings.from_options(
+        {
+            "redis_url": f"redis://127.0.0.1:{secured.port}/0",
+            "username": user,
+            "password": password,
+            "lookup_timeout_s": 1.0,
+            "fail_fast_s": 0.05,
+        }
+    )
+    dp = RedisDataPlane(settings)
+    caplog.set_level(logging.DEBUG)
+    for _ in range(4):
+        assert dp.lookup(keys_for(3)) is None
+        time.sleep(0.06)
+    dst = np.zeros(8, dtype=np.uint8)
+    assert dp.load([(keys_for(1)[0], memoryview(dst))], FP) in (
+        [LoadStatus.ERROR],
+        [LoadStatus.MISSING],  # NOPERM users may not read the key either: never a hit
+    )
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    msg = errors[0].getMessage()
+    assert f"127.0.0.1:{secured.port}" in msg and command in msg
+    assert repr(user or "default") in msg
+    for text in (r.getMessage() for r in caplog.records):
+        assert "right-pass" not in text and "out-pass" not in text
+        if password:
+            assert password not in text
+    assert dp.counters()["auth_failures"] >= 2
+    dp.close()
+
+
+def test_client_setname_is_best_effort(secured: EmbeddedRedis) -> None:
+    url = f"redis://lean:lean-pass@127.0.0.1:{secured.port}/0"
+    dp = make_dp(url)
+    k = keys_for(1, "lean")[0]
+    assert dp.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
+    assert dp.lookup([k]) == [True]
+    assert dp.counters()["auth_failures"] == 0
+    dp.close()
