@@ -25,17 +25,42 @@ from umbp_redis.scheduler import UMBPScheduler
 BS = 128
 
 
+def parse_commands(buf: bytes) -> list[list[bytes]]:
+    """The RESP commands in ``buf`` (arrays of bulk strings)."""
+    out, i = [], 0
+    while i < len(buf):
+        assert buf[i : i + 1] == b"*"
+        j = buf.index(b"\r\n", i)
+        n, i = int(buf[i + 1 : j]), j + 2
+        args = []
+        for _ in range(n):
+            j = buf.index(b"\r\n", i)
+            ln = int(buf[i + 1 : j])
+            args.append(buf[j + 2 : j + 2 + ln])
+            i = j + 2 + ln + 2
+        out.append(args)
+    return out
+
+
 class ScriptedDataPlane:
-    """Answers lookups from a set of present keys; records what was asked."""
+    """Answers encoded lookups (EXPIRE/TOUCH) from a set of present keys; records the keys
+    each lookup asked about, in order."""
 
     def __init__(self, present: set[str] | None = None, fail: bool = False) -> None:
         self.present = present or set()
         self.fail = fail
         self.calls: list[list[str]] = []
 
-    def lookup(self, keys):  # type: ignore[no-untyped-def]
-        self.calls.append(list(keys))
-        return None if self.fail else [k in self.present for k in keys]
+    def lookup_replies(self, buf: bytes, count: int) -> list[int] | None:
+        cmds = parse_commands(buf)
+        asked, replies = [], []
+        for cmd in cmds:
+            keys = [k.decode() for k in (cmd[1:2] if cmd[0] == b"EXPIRE" else cmd[1:])]
+            asked.extend(keys)
+            replies.append(sum(k in self.present for k in keys))
+        assert len(replies) == count
+        self.calls.append(asked)
+        return None if self.fail else replies
 
 
 @dataclass
@@ -92,9 +117,12 @@ def test_counts_the_consecutive_prefix_whose_every_key_exists(model_config: Mode
     assert len(dp.calls) == 1 and dp.calls[0] == keys  # one round trip, all blocks
     # Side-effect free: asked again, same answer.
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
-    # Beyond the local prefix hit only.
+    # Beyond the local prefix hit only; the locally cached block is refreshed in the
+    # same round trip (its presence does not count).
     assert s.get_num_new_matched_tokens(req, BS) == (BS, True)
-    assert dp.calls[-1] == keys[1:]
+    assert dp.calls[-1] == keys
+    dp.present.discard(keys[0])
+    assert s.get_num_new_matched_tokens(req, BS) == (BS, True)
 
 
 def test_never_the_whole_prompt(model_config: ModelConfig) -> None:
@@ -252,9 +280,9 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
     gate = threading.Event()
 
     class SlowDataPlane(ScriptedDataPlane):
-        def lookup(self, keys):  # type: ignore[no-untyped-def]
+        def lookup_replies(self, buf: bytes, count: int) -> list[int] | None:
             gate.wait(5)
-            return super().lookup(keys)
+            return super().lookup_replies(buf, count)
 
     dp = SlowDataPlane()
     s = make_scheduler(model_config, dp, lookup_async=True)
@@ -271,5 +299,143 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
     assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)  # repeatable
     # The request changed (a local prefix hit now): the old answer is not reused.
     assert s.get_num_new_matched_tokens(req, BS) == (None, False)
-    assert len(dp.calls) == 1 or dp.calls[-1] == [s.codec.key(h, 0) for h in req.block_hashes[1:]]
+    assert len(dp.calls) == 1 or dp.calls[-1] == [s.codec.key(h, 0) for h in req.block_hashes]
     s.shutdown()
+
+
+# --- integrity and robustness (issue: never a wrong token, never a stalled scheduler) ---
+
+
+def test_keys_are_built_once_per_block(
+    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from umbp_redis import scheduler as sched_mod
+
+    built: list[int] = []
+    real = sched_mod.lookup_commands
+
+    def counting(keys, **kw):  # type: ignore[no-untyped-def]
+        built.append(len(keys))
+        return real(keys, **kw)
+
+    monkeypatch.setattr(sched_mod, "lookup_commands", counting)
+    dp = ScriptedDataPlane()
+    s = make_scheduler(model_config, dp, tp=2)
+    req = request(4 * BS + 5)
+    req.block_hashes = req.block_hashes[:2]  # the rest arrive later
+    s.get_num_new_matched_tokens(req, 0)
+    assert built == [2, 2]  # two blocks, two rank keys each
+    s.get_num_new_matched_tokens(req, 0)
+    assert built == [2, 2]  # asked again: nothing rebuilt
+    req.block_hashes = request(4 * BS + 5).block_hashes
+    s.get_num_new_matched_tokens(req, 0)
+    assert built == [2, 2, 2, 2]  # only the new blocks
+    assert len(dp.calls[-1]) == 4 * 2
+
+
+def test_without_ttl_refresh_one_touch_per_block_checks_every_rank(
+    model_config: ModelConfig,
+) -> None:
+    dp = ScriptedDataPlane()
+    s = make_scheduler(model_config, dp, tp=2, refresh_ttl_on_lookup=False)
+    req = request(3 * BS + 1)
+    assert s.codec is not None
+    dp.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
+    dp.present.add(s.codec.rank_keys(req.block_hashes[2], 0)[1])  # one shard of block 2
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    assert len(dp.calls[-1]) == 6
+
+
+def test_blocks_recomputed_after_a_failed_load_are_stored_again(
+    model_config: ModelConfig,
+) -> None:
+    dp = ScriptedDataPlane()
+    s = make_scheduler(model_config, dp)
+    req = request(4 * BS + 40)
+    assert s.codec is not None
+    dp.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
+    assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+    s.update_state_after_alloc(req, blocks, 3 * BS)
+    # Block 1 was invalid: vLLM recomputes from its start (num_computed_tokens = BS).
+    meta = s.build_connector_meta(
+        _step(new=[("r1", ([1, 2, 3, 4, 5],), BS)], sched={"r1": 3 * BS + 40})
+    )
+    assert [list(b.block_ids) for b in meta.stores] == [[2, 3, 4]]
+    # A load that succeeded stores nothing again.
+    s2 = make_scheduler(model_config, dp)
+    assert s2.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    s2.update_state_after_alloc(req, blocks, 3 * BS)
+    meta = s2.build_connector_meta(
+        _step(new=[("r1", ([1, 2, 3, 4, 5],), 3 * BS)], sched={"r1": BS + 40})
+    )
+    assert [list(b.block_ids) for b in meta.stores] == [[4]]
+
+
+def test_fail_policy_is_overridden_with_a_warning(
+    model_config: ModelConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_vllm_config(model_config, extra={"key_namespace": "unit"})
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "fail"  # vLLM's default
+    kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
+    UMBPScheduler(cfg, kv, validate_options({}), dataplane=ScriptedDataPlane())  # type: ignore[arg-type]
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+    assert any(
+        "kv_load_failure_policy" in r.getMessage() and r.levelname == "WARNING"
+        for r in caplog.records
+    )
+
+
+def test_weak_block_hash_is_warned_about(
+    model_config: ModelConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_vllm_config(model_config, extra={"key_namespace": "unit"})
+    cfg.cache_config.prefix_caching_hash_algo = "xxhash"
+    kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
+    UMBPScheduler(cfg, kv, validate_options({}), dataplane=ScriptedDataPlane())  # type: ignore[arg-type]
+    assert any("not collision resistant" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failing_hook_is_a_miss_not_an_exception(
+    model_config: ModelConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken(ScriptedDataPlane):
+        def lookup_replies(self, buf: bytes, count: int) -> list[int] | None:
+            raise RuntimeError("bug")
+
+    s = make_scheduler(model_config, Broken())
+    req = request(3 * BS + 5)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.errors == 1 and any(r.levelname == "ERROR" for r in caplog.records)
+    # After a promised load, a failure while planning it reports every block failed.
+    s2 = make_scheduler(model_config, ScriptedDataPlane())
+    assert s2.codec is not None
+    s2.get_num_new_matched_tokens(req, 0)
+    s2.requests["r1"].local_tokens = BS
+
+    def bad_hash(request, index):  # type: ignore[no-untyped-def]
+        raise RuntimeError("bug")
+
+    s2._hash_of_block = bad_hash  # type: ignore[method-assign]
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+    s2.update_state_after_alloc(req, blocks, 2 * BS)
+    (batch,) = s2.build_connector_meta(_step()).loads
+    assert batch.fail_all and list(batch.block_ids) == [2, 3]
+    assert s2.errors == 1
+
+
+def test_pins_without_a_report_are_released_after_the_bound(model_config: ModelConfig) -> None:
+    s = make_scheduler(model_config, ScriptedDataPlane(), store_report_timeout_s=1.0)
+    pool = FakeBlockPool(32)
+    s.bind_block_pool(pool)
+    req = request(2 * BS + 40)
+    s.get_num_new_matched_tokens(req, 0)
+    s.build_connector_meta(_step(new=[("r1", ([5, 6, 7],), 0)], sched={"r1": 2 * BS + 40}))
+    assert s.pinned_blocks == 2
+    s.build_connector_meta(_step())
+    assert s.pinned_blocks == 2  # within the bound
+    for ev in s.pinned.values():
+        ev.pinned_at -= 2.0
+    s.build_connector_meta(_step())
+    assert s.pinned_blocks == 0 and s.stale_pins_released == 1
+    assert all(b.ref_cnt == 0 for b in pool.blocks)

@@ -329,3 +329,37 @@ def test_load_without_an_engine_point_is_recomputed(
     step(w, UMBPConnectorMetadata(loads=[BlockLoadBatch("r9", (H1, H2), (5, 6), (0, 0))]))
     assert wait_loaded(w, "r9") == {5, 6}
     assert gated.scatter_after == []  # nothing was scattered
+
+
+def test_a_value_of_another_block_is_never_loaded_and_only_invalid_values_are_removed(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    import redis as redis_py
+
+    src, _ = stored_source(model_config, redis_url, H1, 3, seed=7)
+    stored_source(model_config, redis_url, H2, 4, seed=8)
+    r = redis_py.Redis.from_url(redis_url)
+    k1, k2 = src.codec.key(H1, 0), src.codec.key(H2, 0)
+    r.copy(k1, k2, replace=True)  # block 2's key now holds block 1's (valid) value
+    k3 = src.codec.key(H3, 0)
+    r.set(k3, b"someone else's string")  # WRONGTYPE for HMGET: an error, not invalid
+    dst, dst_caches = make_worker(model_config, redis_url)
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H2, H3), (9, 10), (0, 0))]))
+    assert wait_loaded(dst, "r2") == {9, 10}
+    for name in dst_caches:
+        assert not page_bytes(dst_caches[name], 9, NB).any()  # nothing was scattered
+    assert not r.exists(k2)  # the invalid value was removed, so a store replaces it
+    assert r.get(k3) == b"someone else's string"  # an error reply deletes nothing
+
+
+def test_unplannable_loads_fail_at_once_and_cancel_bookkeeping_is_bounded(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    w, _ = make_worker(model_config, redis_url)
+    bad = BlockLoadBatch("r5", (b"", b""), (2, 3), (0, 0), fail_all=True)
+    step(w, UMBPConnectorMetadata(loads=[bad]))
+    assert wait_loaded(w, "r5") == {2, 3}
+    # Cancellations of requests with nothing in flight are not remembered.
+    for i in range(1000):
+        step(w, UMBPConnectorMetadata(cancelled_requests=[f"gone{i}"]))
+    assert not w._cancelled and not w._loading

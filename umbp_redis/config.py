@@ -130,6 +130,15 @@ OPTIONS: tuple[Option, ...] = (
         "Explicit key namespace; when unset it is derived from the model and cache layout.",
     ),
     Option(
+        "weights_fingerprint",
+        str,
+        "sampled",
+        "How the derived namespace covers the weights: sampled (names, sizes and 16 "
+        "sampled 64 KiB windows of each weight file; the hub commit for hub models), full "
+        "(every byte: slow for large models) or off (path, revision and config only).",
+        choices=("sampled", "full", "off"),
+    ),
+    Option(
         "enable_lookup",
         bool,
         True,

@@ -111,7 +111,7 @@ class UMBPRedisConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> UMBPConnectorStats | None:
         if self._worker is None:
             return None
-        data = self._worker.stats.take()
+        data = self._worker.take_stats()
         return UMBPConnectorStats(data=data) if any(data.values()) else None
 
     @classmethod

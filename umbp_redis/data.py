@@ -267,8 +267,14 @@ def _engine_may_load_foreign_kv(vllm_config: VllmConfig) -> bool:
     return False
 
 
-def namespace_inputs(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> dict[str, Any]:
-    """Everything the derived namespace digests, as a JSON-able dict (for logs and docs)."""
+def namespace_inputs(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, weights: str | None = None
+) -> dict[str, Any]:
+    """Everything the derived namespace digests, as a JSON-able dict (for logs and docs).
+
+    ``weights`` is the weights fingerprint the caller read (``umbp_redis.weights``):
+    reading files is I/O, which this module does not do.
+    """
     pc = vllm_config.parallel_config
     cc = vllm_config.cache_config
     groups = []
@@ -282,6 +288,8 @@ def namespace_inputs(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
     return {
         "schema": KEY_PREFIX,
         "model": _model_fingerprint(vllm_config.model_config),
+        "weights": weights,
+        "block_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
         "cache_dtype": str(getattr(cc, "cache_dtype", "auto")),
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None),
         "hash_block_size": getattr(kv_cache_config, "hash_block_size", None),
@@ -329,22 +337,28 @@ class UMBPNamespace:
 
     @classmethod
     def from_vllm_config(
-        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, weights: str | None = None
     ) -> UMBPNamespace:
         """Derive the namespace from a worker's per-layer KV cache config.
 
         The same inputs give the same value in every process; any change in one of
-        them (model settings, revision, specs, layout, parallel sizes, foreign KV)
-        gives another. The scheduler's config flattens some spec groups, so the
-        scheduler adopts what its workers report rather than deriving its own.
+        them (model settings, revision, weights fingerprint, block hash algorithm,
+        specs, layout, parallel sizes, foreign KV) gives another. The scheduler's config
+        flattens some spec groups, so the scheduler adopts what its workers report
+        rather than deriving its own.
         """
-        blob = json.dumps(namespace_inputs(vllm_config, kv_cache_config), sort_keys=True)
+        inputs = namespace_inputs(vllm_config, kv_cache_config, weights)
+        blob = json.dumps(inputs, sort_keys=True)
         return cls(value=hashlib.sha256(blob.encode()).hexdigest()[:16], derived=True)
 
     @classmethod
-    def resolve(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> UMBPNamespace:
+    def resolve(
+        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, weights: str | None = None
+    ) -> UMBPNamespace:
         """The configured namespace if there is one, else the derived one."""
-        return cls.configured(vllm_config) or cls.from_vllm_config(vllm_config, kv_cache_config)
+        return cls.configured(vllm_config) or cls.from_vllm_config(
+            vllm_config, kv_cache_config, weights
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -369,6 +383,26 @@ class BlockIdentityCodec:
     def __post_init__(self) -> None:
         UMBPNamespace(self.namespace)  # validates the characters
         object.__setattr__(self, "replicated_groups", frozenset(self.replicated_groups))
+        object.__setattr__(self, "_prefixes", {})
+
+    def key_prefixes(self, group_id: int) -> tuple[str, ...]:
+        """Every rank's key of ``group_id`` up to the block hash, built once per codec.
+
+        ``prefix + block_hash.hex()`` is that rank's key: the hot path concatenates
+        strings and validates nothing (the parts were validated here, once).
+        """
+        cache: dict[int, tuple[str, ...]] = self._prefixes  # type: ignore[attr-defined]
+        out = cache.get(group_id)
+        if out is None:
+            if not isinstance(group_id, int) or group_id < 0:
+                raise ValueError(f"group_id must be a non-negative int, got {group_id!r}")
+            agnostic = group_id in self.replicated_groups
+            labels = dict.fromkeys(
+                r.rank_label(tp_agnostic=agnostic) for r in self.topology.rank_namespaces()
+            )
+            out = tuple(f"{KEY_PREFIX}:{self.namespace}:{lb}:g{group_id}:" for lb in labels)
+            cache[group_id] = out
+        return out
 
     def key(self, block_hash: bytes, group_id: int, rank: RankTopology | None = None) -> str:
         """The key of ``block_hash`` in ``group_id`` for ``rank`` (default: this process)."""
@@ -380,10 +414,8 @@ class BlockIdentityCodec:
 
     def rank_keys(self, block_hash: bytes, group_id: int) -> tuple[str, ...]:
         """Every rank's key of one logical block; the block is a hit only if all exist."""
-        keys = dict.fromkeys(
-            self.key(block_hash, group_id, r) for r in self.topology.rank_namespaces()
-        )
-        return tuple(keys)
+        hx = bytes(block_hash).hex()
+        return tuple(p + hx for p in self.key_prefixes(group_id))
 
     def keys_per_object(self, topology: RankTopology, group_id: int) -> int:
         """Number of rank keys that together hold one logical block."""
@@ -713,7 +745,13 @@ class _BlockBatch(Sequence[BlockTransferPlan]):
 
 @dataclass(frozen=True)
 class BlockLoadBatch(_BlockBatch):
-    """Whole-block loads (Redis -> engine) of one request."""
+    """Whole-block loads (Redis -> engine) of one request.
+
+    ``fail_all``: the scheduler could not plan this load after promising its tokens to
+    vLLM; the workers report every block as not loaded, so vLLM recomputes them.
+    """
+
+    fail_all: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,26 @@
 """Scheduler half of the connector: lookups, load specs, store plans, block pinning.
 
 Runs in the engine's scheduler process. It never blocks on Redis for longer than
-``lookup_timeout_s`` and treats every Redis problem as a miss.
+``lookup_timeout_s``, treats every Redis problem as a miss, and never raises into
+vLLM's step: a bug in a hook is logged, counted and turned into a miss or a dropped
+store (``_guarded``).
+
+Keys and their encoded lookup commands are built once per block hash and kept with
+the request; a lookup covers the whole prefix chain the request relies on (blocks
+the engine's own prefix cache holds included), so every request that shares a prefix
+refreshes it in Redis (TTL or LRU clock) and LRU eviction takes unshared suffixes first.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from umbp_redis.config import RedisSettings
 from umbp_redis.data import (
@@ -26,7 +36,7 @@ from umbp_redis.data import (
     UMBPNamespace,
     tp_replicated_group_ids,
 )
-from umbp_redis.dataplane import RedisDataPlane, shared_dataplane
+from umbp_redis.dataplane import RedisDataPlane, lookup_commands, shared_dataplane
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,6 +46,36 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+# Block hash algorithms of vLLM that are not collision resistant against crafted input.
+_WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
+
+
+def _guarded(fallback: Callable[..., Any]) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """Run a hook; on any exception log it (traceback once per hook), count it and
+    return ``fallback(self, *args, **kwargs)`` instead of raising into vLLM."""
+
+    def wrap(fn: Callable[..., R]) -> Callable[..., R]:
+        @functools.wraps(fn)
+        def guarded(self: UMBPScheduler, *args: Any, **kwargs: Any) -> R:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:
+                self.errors += 1
+                first = fn.__name__ not in self._logged_errors
+                self._logged_errors.add(fn.__name__)
+                log.error(
+                    "umbp-redis: %s failed (%r); treated as a miss or a dropped store",
+                    fn.__name__,
+                    e,
+                    exc_info=first,
+                )
+                return fallback(self, *args, **kwargs)  # type: ignore[no-any-return]
+
+        return guarded
+
+    return wrap
 
 
 @dataclass
@@ -45,6 +85,9 @@ class _RequestState:
     local_tokens: int = 0
     hit_blocks: int = 0  # blocks [0, hit_blocks) are known to be in Redis
     load: LoadSpec | None = None
+    # Encoded lookup commands of blocks [0, len(lookup_cmds)), built once per block.
+    lookup_cmds: list[bytes] = field(default_factory=list)
+    codec: BlockIdentityCodec | None = None  # the codec the commands were built with
 
 
 @dataclass
@@ -52,6 +95,7 @@ class _PinnedEvent:
     blocks: list[Any]
     reports: int = 0
     failed: set[str] = field(default_factory=set)
+    pinned_at: float = field(default_factory=time.monotonic)
 
 
 class UMBPScheduler:
@@ -66,9 +110,30 @@ class UMBPScheduler:
         dataplane: RedisDataPlane | None = None,
     ) -> None:
         self.options = options
-        role = (
-            vllm_config.kv_transfer_config.kv_role if vllm_config.kv_transfer_config else "kv_both"
-        )
+        self.errors = 0  # hook failures turned into misses (see _guarded)
+        self._logged_errors: set[str] = set()
+        ktc = vllm_config.kv_transfer_config
+        role = ktc.kv_role if ktc else "kv_both"
+        if ktc is not None and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            # vLLM reads the policy after creating this object. With "fail", a block
+            # evicted between lookup and load (a routine event in a cache) would fail the
+            # user's request; a miss must only cost a recompute.
+            log.warning(
+                "umbp-redis: kv_transfer_config.kv_load_failure_policy was %r; using "
+                "'recompute' (a block evicted from Redis between lookup and load must be "
+                'recomputed, not fail the request). Set "kv_load_failure_policy": '
+                '"recompute" to silence this warning',
+                ktc.kv_load_failure_policy,
+            )
+            ktc.kv_load_failure_policy = "recompute"
+        algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+        if algo in _WEAK_HASH_ALGOS:
+            log.warning(
+                "umbp-redis: prefix_caching_hash_algo=%s is not collision resistant: in a "
+                "cache shared by several tenants a crafted prompt could collide with another "
+                "tenant's blocks and load their KV. Use sha256 or sha256_cbor for shared caches",
+                algo,
+            )
         self.can_load = role in ("kv_consumer", "kv_both") and options["enable_lookup"]
         self.can_store = role in ("kv_producer", "kv_both")
         self.load_async = bool(options["load_async"])
@@ -76,7 +141,7 @@ class UMBPScheduler:
         self._lookup_pool = (
             ThreadPoolExecutor(1, thread_name_prefix="umbp-lookup") if self.lookup_async else None
         )
-        self._lookups: dict[str, tuple[tuple[Any, ...], Future[list[bool] | None]]] = {}
+        self._lookups: dict[str, tuple[tuple[Any, ...], Future[list[int] | None]]] = {}
         self.save_decode = bool(options["save_decode_cache"])
         self.topology = RankTopology.from_vllm_config(vllm_config)
         self.groups = [
@@ -96,6 +161,14 @@ class UMBPScheduler:
             else None
         )
         self.dp = dataplane or shared_dataplane(RedisSettings.from_options(options))
+        warm_up = getattr(self.dp, "warm_up", None)
+        if warm_up is not None:
+            warm_up()  # the lookup connection is made now, off the scheduler thread
+        refresh = options.get("refresh_ttl_on_lookup", True)
+        self._refresh_ttl = bool(refresh)
+        self._ttl_arg = str(int(options.get("ttl_seconds", 86400))).encode()
+        self.report_timeout_s = float(options.get("store_report_timeout_s", 120.0))
+        self.stale_pins_released = 0
         self.num_workers = self.topology.num_rank_namespaces
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[BlockLoadBatch] = []
@@ -138,14 +211,46 @@ class UMBPScheduler:
             self.requests[request.request_id] = st
         return st
 
+    def _lookup_cmds(self, st: _RequestState, upto: int) -> list[bytes] | None:
+        """Encoded lookup commands of blocks [0, upto) (fewer if hashes run out), built
+        incrementally: each block's keys are made once for the request's lifetime."""
+        codec = self.codec
+        assert codec is not None
+        if st.codec is not codec:  # a new namespace: nothing built before applies
+            st.lookup_cmds, st.codec = [], codec
+        cmds = st.lookup_cmds
+        if len(cmds) < upto:
+            prefixes = [p.encode() for g in self.groups for p in codec.key_prefixes(g)]
+            for i in range(len(cmds), upto):
+                h = self._hash_of_block(st.request, i)
+                if h is None:
+                    break
+                hx = h.hex().encode()
+                cmd, _ = lookup_commands(
+                    [p + hx for p in prefixes], refresh_ttl=self._refresh_ttl, ttl=self._ttl_arg
+                )
+                cmds.append(cmd)
+        return cmds
+
+    @property
+    def _keys_per_block(self) -> int:
+        assert self.codec is not None
+        return sum(len(self.codec.key_prefixes(g)) for g in self.groups)
+
+    def _lookup_fallback(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    @_guarded(_lookup_fallback)
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Block-aligned prefix tokens beyond ``num_computed_tokens`` present in Redis.
 
-        With ``lookup_async`` the first call starts the lookup and returns None; a later
-        call with the same request state returns its answer (a changed request starts a
-        new lookup and the stale answer is discarded).
+        One round trip covers blocks [0, last prompt block): the blocks the engine's
+        own prefix cache holds are refreshed in Redis (not counted), the rest counted as
+        the consecutive run whose every rank key exists. With ``lookup_async`` the first
+        call starts the lookup and returns None; a later call with the same request
+        state returns its answer (a changed request starts a new lookup).
         """
         st = self._state(request)
         st.local_tokens = num_computed_tokens
@@ -154,37 +259,31 @@ class UMBPScheduler:
         bs = self.block_size
         max_blocks = (request.num_prompt_tokens - 1) // bs  # the last token is computed
         start = num_computed_tokens // bs
-        hashes = []
-        for i in range(start, max_blocks):
-            h = self._hash_of_block(request, i)
-            if h is None:
-                break
-            hashes.append(h)
-        if not hashes:
+        cmds = self._lookup_cmds(st, max_blocks)
+        if cmds is None or len(cmds) <= start:
             return 0, False
-        keys: list[str] = []
-        per_block = 0
-        for h in hashes:
-            block_keys = [k for g in self.groups for k in self.codec.rank_keys(h, g)]
-            per_block = len(block_keys)
-            keys.extend(block_keys)
+        n_blocks = len(cmds)
+        per_block = self._keys_per_block
+        replies_per_block = per_block if self._refresh_ttl else 1
+        count = n_blocks * replies_per_block
         if self._lookup_pool is not None:
-            sig = (num_computed_tokens, len(hashes), hashes[-1])
+            sig = (num_computed_tokens, n_blocks)
             entry = self._lookups.get(request.request_id)
             if entry is None or entry[0] != sig:
-                fut = self._lookup_pool.submit(self.dp.lookup, keys)
+                buf = b"".join(cmds)
+                fut = self._lookup_pool.submit(self.dp.lookup_replies, buf, count)
                 self._lookups[request.request_id] = (sig, fut)
                 return None, False
             if not entry[1].done():
                 return None, False
-            present = entry[1].result()
+            replies = entry[1].result()
         else:
-            present = self.dp.lookup(keys)
-        if present is None:
+            replies = self.dp.lookup_replies(b"".join(cmds), count)
+        if replies is None or len(replies) != count:
             return 0, False
         hits = 0
-        for b in range(len(hashes)):
-            if all(present[b * per_block : (b + 1) * per_block]):
+        for b in range(start, n_blocks):
+            if sum(replies[b * replies_per_block : (b + 1) * replies_per_block]) == per_block:
                 hits += 1
             else:
                 break
@@ -194,6 +293,34 @@ class UMBPScheduler:
             return 0, False
         return tokens, self.load_async
 
+    def _alloc_fallback(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM was promised ``num_external_tokens``: report their blocks failed instead."""
+        if num_external_tokens <= 0:
+            return
+        try:
+            local = self.requests[request.request_id].local_tokens
+            ids = blocks.get_block_ids()
+            bs = self.block_size
+            block_ids = tuple(
+                ids[g][i]
+                for i in range(local // bs, (local + num_external_tokens) // bs)
+                for g in self.groups
+            )
+        except Exception as e:
+            log.error("umbp-redis: cannot report the failed load of %s: %r", request.request_id, e)
+            return
+        self.pending_loads.append(
+            BlockLoadBatch(
+                request.request_id,
+                (b"",) * len(block_ids),
+                block_ids,
+                (0,) * len(block_ids),
+                event_id=next(self._event_ids),
+                fail_all=True,
+            )
+        )
+
+    @_guarded(_alloc_fallback)
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
     ) -> None:
@@ -236,9 +363,50 @@ class UMBPScheduler:
     # -- per step ---------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UMBPConnectorMetadata:
-        """This step's loads, stores and cancellations; resets the pending lists."""
+        """This step's loads, stores and cancellations; resets the pending lists.
+
+        The loads vLLM was promised always go out; a failure while planning stores only
+        drops this step's stores (logged and counted).
+        """
         meta = UMBPConnectorMetadata(load_async=self.load_async)
         meta.loads, self.pending_loads = self.pending_loads, []
+        try:
+            self._release_stale_pins()
+            self._plan_step(scheduler_output, meta)
+        except Exception as e:
+            self.errors += 1
+            first = "build_connector_meta" not in self._logged_errors
+            self._logged_errors.add("build_connector_meta")
+            log.error(
+                "umbp-redis: planning this step's stores failed (%r); they are dropped",
+                e,
+                exc_info=first,
+            )
+            for batch in meta.stores:
+                if batch.event_id in self.pinned:
+                    self._release(batch.event_id)
+            meta.stores = []
+        return meta
+
+    def _release_stale_pins(self) -> None:
+        """Unpin store sources whose worker reports never came within the bound."""
+        if not self.pinned:
+            return
+        limit = time.monotonic() - self.report_timeout_s
+        stale = [eid for eid, ev in self.pinned.items() if ev.pinned_at < limit]
+        if stale:
+            if self.stale_pins_released == 0:
+                log.warning(
+                    "umbp-redis: %d store events had no worker report within "
+                    "store_report_timeout_s=%.0fs; their blocks are released",
+                    len(stale),
+                    self.report_timeout_s,
+                )
+            self.stale_pins_released += len(stale)
+            for eid in stale:
+                self._release(eid)
+
+    def _plan_step(self, scheduler_output: SchedulerOutput, meta: UMBPConnectorMetadata) -> None:
         preempted = scheduler_output.preempted_req_ids or set()
         if preempted:
             log.info(
@@ -256,19 +424,18 @@ class UMBPScheduler:
             for new in scheduler_output.scheduled_new_reqs:
                 self._tracker_blocks(new.req_id, new.block_ids, replace=True)
             self._update_cached(scheduler_output)
-            return meta
+            return
         num_sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._tracker_blocks(new.req_id, new.block_ids, replace=True)
             if st is not None:
-                self._plan_stores(st, new.num_computed_tokens + num_sched.get(new.req_id, 0), meta)
+                self._plan_stores(st, new.num_computed_tokens, num_sched.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         self._update_cached(scheduler_output)
         for i, rid in enumerate(cached.req_ids):
             st = self.requests.get(rid)
             if st is not None:
-                self._plan_stores(st, cached.num_computed_tokens[i] + num_sched.get(rid, 0), meta)
-        return meta
+                self._plan_stores(st, cached.num_computed_tokens[i], num_sched.get(rid, 0), meta)
 
     def _update_cached(self, scheduler_output: SchedulerOutput) -> None:
         cached = scheduler_output.scheduled_cached_reqs
@@ -290,15 +457,27 @@ class UMBPScheduler:
         return st
 
     def _plan_stores(
-        self, st: _RequestState, tokens_after_step: int, meta: UMBPConnectorMetadata
+        self,
+        st: _RequestState,
+        computed_before: int,
+        scheduled: int,
+        meta: UMBPConnectorMetadata,
     ) -> None:
         assert self.codec is not None
         req = st.request
+        tokens_after_step = computed_before + scheduled
+        bs = self.block_size
+        tr = st.tracker
+        # Blocks counted as in Redis (hit or loaded) that vLLM computes again now failed
+        # to load (invalid or evicted value): this engine stores them afresh.
+        redo_from = computed_before // bs
+        if scheduled > 0 and redo_from < max(st.hit_blocks, tr.num_loaded_tokens // bs):
+            st.hit_blocks = min(st.hit_blocks, redo_from)
+            tr.num_loaded_tokens = min(tr.num_loaded_tokens, redo_from * bs)
+            tr.num_saved_tokens = min(tr.num_saved_tokens, redo_from * bs)
         limit = (
             tokens_after_step if self.save_decode else min(tokens_after_step, req.num_prompt_tokens)
         )
-        bs = self.block_size
-        tr = st.tracker
         first = tr.num_saved_tokens // bs
         last = limit // bs
         # Blocks loaded from Redis or seen present in a lookup are not sent again.
@@ -331,6 +510,7 @@ class UMBPScheduler:
             self.block_pool.touch(blocks)
             self.pinned[event] = _PinnedEvent(blocks)
 
+    @_guarded(lambda self, connector_output: None)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Release store sources once every worker reported the event."""
         for rid in getattr(connector_output, "finished_recving", None) or ():
@@ -354,12 +534,18 @@ class UMBPScheduler:
         if self.block_pool is not None:
             self.block_pool.free_blocks(ev.blocks)
 
+    def _finished_fallback(self, request: Request) -> tuple[bool, None]:
+        self.requests.pop(getattr(request, "request_id", None), None)  # type: ignore[arg-type]
+        return False, None
+
+    @_guarded(_finished_fallback)
     def request_finished(self, request: Request) -> tuple[bool, None]:
         """Forget the request; never delays freeing its blocks."""
         self.requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         return False, None
 
+    @_guarded(lambda self: False)
     def has_pending_block_frees(self) -> bool:
         """Whether a pending report will return blocks to the free pool.
 

@@ -36,6 +36,8 @@ class UMBPConnectorStats(KVConnectorStats):
                 "load_failures",
                 "store_failures",
                 "stores_dropped",
+                "auth_failures",
+                "unexpected_errors",
             )
         }
         out["MB_loaded"] = round(d.get("bytes_loaded", 0) / 1e6, 2)
@@ -62,6 +64,14 @@ _PROM_COUNTERS = (
     ),
     ("store_failures", "Block stores Redis refused or that failed."),
     ("stores_dropped", "Block stores dropped because staging memory was full."),
+    (
+        "auth_failures",
+        "Logins and commands Redis refused (wrong password, NOAUTH, NOPERM): check the ACL.",
+    ),
+    (
+        "unexpected_errors",
+        "Connector bugs and malformed replies turned into misses or dropped stores.",
+    ),
 )
 
 

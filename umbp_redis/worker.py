@@ -43,6 +43,7 @@ from umbp_redis.data import (
 from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus, shared_dataplane
 from umbp_redis.errors import ConfigError
 from umbp_redis.staging import StagingPool, staging_budget
+from umbp_redis.weights import weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,6 +97,8 @@ class WorkerStats:
         "store_ms_total",
         "loads",
         "stores",
+        "auth_failures",
+        "unexpected_errors",
     )
 
     def __init__(self) -> None:
@@ -138,7 +141,12 @@ class UMBPWorker:
         self.topology = RankTopology.from_vllm_config(
             vllm_config, tp_rank=tp, pp_rank=pp, pcp_rank=pcp
         )
-        self.namespace = UMBPNamespace.resolve(vllm_config, kv_cache_config)
+        weights = None
+        if UMBPNamespace.configured(vllm_config) is None:
+            weights = weights_fingerprint(
+                vllm_config.model_config, str(options.get("weights_fingerprint", "sampled"))
+            )
+        self.namespace = UMBPNamespace.resolve(vllm_config, kv_cache_config, weights)
         self.codec = BlockIdentityCodec(
             self.namespace.value,
             self.topology,
@@ -147,6 +155,7 @@ class UMBPWorker:
         self.planner = KVLayoutPlanner(kv_cache_config)
         self.dp = dataplane or shared_dataplane(RedisSettings.from_options(options))
         self.stats = WorkerStats()
+        self._seen_counters: dict[str, int] = {}
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store")
         self._lock = threading.Lock()
@@ -156,6 +165,7 @@ class UMBPWorker:
         # (event id, keys, gather) of launched gathers not yet reported (engine thread).
         self._unreported_gathers: list[tuple[int, frozenset[str], CopyHandle]] = []
         self._cancelled: set[str] = set()
+        self._loading: dict[str, int] = {}  # request id -> loads in flight
         self._futures: set[Any] = set()
         self.meta: UMBPConnectorMetadata | None = None
         self._stores_submitted = False
@@ -234,7 +244,8 @@ class UMBPWorker:
         self._stores_submitted = False
         if meta.cancelled_requests:
             with self._lock:
-                self._cancelled.update(meta.cancelled_requests)
+                # Only requests with a load in flight need remembering (bounded memory).
+                self._cancelled.update(r for r in meta.cancelled_requests if r in self._loading)
 
     def start_load_kv(self) -> None:
         """Start (async) or run (sync) this step's loads."""
@@ -250,8 +261,12 @@ class UMBPWorker:
                 self._fail_load(batch, meta.load_async)
             return
         for batch in meta.loads:
+            if batch.fail_all:  # the scheduler could not plan it: vLLM recomputes
+                self._fail_load(batch, meta.load_async)
+                continue
             with self._lock:
                 self._cancelled.discard(batch.request_id)
+                self._loading[batch.request_id] = self._loading.get(batch.request_id, 0) + 1
             if meta.load_async:
                 self._track(self._loads.submit(self._run_load, batch, True, after))
             else:
@@ -301,32 +316,40 @@ class UMBPWorker:
                 self._report_store(b.event_id, frozenset())
             return
         for batch in batches:
-            plans = [
-                self._plan(p, batch.request_id) for p in batch if self.codec.stores(p.group_id)
-            ]
-            if not plans or not self.can_store:
-                self._report_store(batch.event_id, frozenset())
-                continue
-            keys = frozenset(p.key for p in plans)
-            slots = self.staging.acquire(len(plans))
-            if slots is None:
-                self.stats.add(stores_dropped=len(plans))
-                log.debug("staging full: dropped %d block stores", len(plans))
-                self._report_store(batch.event_id, keys)
-                continue
             try:
-                gathered = self.copier.gather(_copy_plan(plans, slots))
-            except Exception as e:  # a copy bug drops the store, never the engine
-                log.error("umbp-redis: gather of %d blocks failed: %r", len(plans), e)
-                self.staging.release(slots)
-                self.stats.add(store_failures=len(plans))
-                self._report_store(batch.event_id, keys)
-                continue
-            # The scheduler unpins the source blocks once the event is reported: only
-            # after the gather has read them.
-            self._unreported_gathers.append((batch.event_id, keys, gathered))
-            self._track(self._stores.submit(self._write, plans, slots, gathered))
+                self._submit_store(batch)
+            except Exception as e:  # a bug drops this store, never the engine's step
+                log.error("umbp-redis: store of %s failed: %r", batch.request_id, e)
+                self.stats.add(store_failures=len(batch))
+                self._report_store(batch.event_id, frozenset())
         self._report_finished_gathers()
+
+    def _submit_store(self, batch: BlockStoreBatch) -> None:
+        """Gather one batch into staging and queue its Redis writes (or report it dropped)."""
+        assert self.copier is not None and self.staging is not None
+        plans = [self._plan(p, batch.request_id) for p in batch if self.codec.stores(p.group_id)]
+        if not plans or not self.can_store:
+            self._report_store(batch.event_id, frozenset())
+            return
+        keys = frozenset(p.key for p in plans)
+        slots = self.staging.acquire(len(plans))
+        if slots is None:
+            self.stats.add(stores_dropped=len(plans))
+            log.debug("staging full: dropped %d block stores", len(plans))
+            self._report_store(batch.event_id, keys)
+            return
+        try:
+            gathered = self.copier.gather(_copy_plan(plans, slots))
+        except Exception as e:  # a copy bug drops the store, never the engine
+            log.error("umbp-redis: gather of %d blocks failed: %r", len(plans), e)
+            self.staging.release(slots)
+            self.stats.add(store_failures=len(plans))
+            self._report_store(batch.event_id, keys)
+            return
+        # The scheduler unpins the source blocks once the event is reported: only
+        # after the gather has read them.
+        self._unreported_gathers.append((batch.event_id, keys, gathered))
+        self._track(self._stores.submit(self._write, plans, slots, gathered))
 
     def _report_finished_gathers(self) -> None:
         """Report the store events whose gathers are done, without blocking.
@@ -440,6 +463,12 @@ class UMBPWorker:
                 self._load_errors |= failed
                 if report:
                     self._finished_loads.add(batch.request_id)
+                left = self._loading.get(batch.request_id, 1) - 1
+                if left > 0:
+                    self._loading[batch.request_id] = left
+                else:
+                    self._loading.pop(batch.request_id, None)
+                    self._cancelled.discard(batch.request_id)
 
     def _fail_load(self, batch: BlockLoadBatch, report: bool) -> None:
         """Report every block of ``batch`` as not loaded (vLLM recomputes them)."""
@@ -462,6 +491,18 @@ class UMBPWorker:
         with self._lock:
             errs, self._load_errors = self._load_errors, set()
         return errs
+
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the last call, with the data plane's refused logins/commands and
+        unexpected errors (bugs, malformed replies) since then."""
+        counters = self.dp.counters() if hasattr(self.dp, "counters") else {}
+        for name in ("auth_failures", "unexpected_errors"):
+            now = int(counters.get(name, 0))
+            delta = now - self._seen_counters.get(name, 0)
+            self._seen_counters[name] = now
+            if delta > 0:
+                self.stats.add(**{name: delta})
+        return self.stats.take()
 
     def build_worker_meta(self) -> UMBPConnectorWorkerMetadata | None:
         """The store-event reports since the last call (gathers found done now included)."""
