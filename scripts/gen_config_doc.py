@@ -23,8 +23,13 @@ the table this page is generated from by `scripts/gen_config_doc.py` and checked
 `tests/test_docs.py`).
 
 `kv_role`: `kv_both` loads and stores, `kv_consumer` never stores, `kv_producer` never
-loads. Use `kv_load_failure_policy: recompute` so that a block that fails to load is
-recomputed instead of failing the request.
+loads. `kv_load_failure_policy` must be `recompute` so that a block evicted or damaged
+between lookup and load is recomputed instead of failing the request; vLLM's default is
+`fail`, so the connector sets `recompute` at startup and logs a warning when it had to.
+
+**Secrets:** vLLM prints `kv_connector_extra_config` verbatim in its startup log, so a
+password in `redis_url` or `password` is logged there. Use `password_file` or the
+environment variable `UMBP_REDIS_PASSWORD` (see [operations](operations.md#keep-the-password-out-of-logs)).
 
 | option | type | default | meaning |
 |---|---|---|---|

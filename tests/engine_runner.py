@@ -3,8 +3,11 @@
 Usage: ``python engine_runner.py SPEC.json``. The spec names the model, the connector
 config (or none), the prompts and the phases; the results go to ``spec["out"]``.
 Phases: ``generate`` (greedy), ``reset`` (drop vLLM's local prefix cache), ``corrupt``
-(flip a byte in every stored body), ``delete`` (remove every stored key),
-``shutdown_redis`` and ``start_redis`` (a private server on a given port).
+(flip a byte in every stored body), ``swap`` (move each value to another key),
+``strip_checksum`` (rewrite headers as a writer without checksums), ``validate``
+(inspect every value), ``delete`` (remove every stored key), ``limit_memory`` (make
+the server a small LRU cache), ``evicted``, ``shutdown_redis`` and ``start_redis`` (a
+private server on a given port).
 """
 
 from __future__ import annotations
@@ -112,6 +115,48 @@ def main(spec_path: str) -> None:
             time.sleep(phase.get("wait_s", 1.5))  # past the fail-fast window
         elif op == "leak_check":
             results[phase["name"]] = _leak_check(llm)
+        elif op == "swap":  # each value moves to the next key: well formed, wrong block
+            r = redis.Redis.from_url(phase["url"])
+            keys = sorted(r.scan_iter(match="umbp:vllm:v1:*", count=1000))
+            dumps = [r.dump(k) for k in keys]
+            for k, d in zip(keys, dumps[1:] + dumps[:1], strict=True):
+                r.restore(k, 0, d, replace=True)
+            results[phase["name"]] = len(keys)
+        elif op == "strip_checksum":  # as written by a writer with checksum off
+            import struct
+
+            from umbp_redis.value_format import HEADER
+
+            r = redis.Redis.from_url(phase["url"])
+            keys = list(r.scan_iter(match="umbp:vllm:v1:*", count=1000))
+            for k in keys:
+                h = bytearray(r.hget(k, "h") or b"")
+                fields = list(HEADER.unpack_from(h))
+                fields[2], fields[6] = 0, 0  # flags, checksum
+                h[: HEADER.size] = struct.pack(HEADER.format, *fields)
+                r.hset(k, "h", bytes(h))
+            results[phase["name"]] = len(keys)
+        elif op == "validate":  # every stored value, checked as `umbp-redis inspect` does
+            from umbp_redis.cli_admin import inspect_value
+
+            r = redis.Redis.from_url(phase["url"])
+            keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v1:*", count=1000)]
+            infos = [inspect_value(r, k) for k in keys]
+            results[phase["name"]] = {
+                "keys": len(keys),
+                "valid": sum(bool(i.get("valid")) for i in infos),
+                "namespaces": sorted({k.split(":")[3] for k in keys}),
+            }
+        elif op == "limit_memory":  # an LRU cache with room for about `objects` objects
+            r = redis.Redis.from_url(phase["url"])
+            r.flushall()
+            r.config_set("maxmemory-policy", "allkeys-lru")
+            r.config_set("maxmemory-samples", 10)
+            used = int(r.info("memory")["used_memory"])
+            r.config_set("maxmemory", used + phase["objects"] * phase["object_bytes"])
+        elif op == "evicted":
+            r = redis.Redis.from_url(phase["url"])
+            results[phase["name"]] = int(r.info("stats")["evicted_keys"])
         elif op == "count_keys":
             r = redis.Redis.from_url(phase["url"])
             results[phase["name"]] = len(list(r.scan_iter(match="umbp:vllm:v1:*", count=1000)))

@@ -66,6 +66,10 @@ def test_vllm_services_use_the_connector_with_real_options() -> None:
         assert set(extra) <= set(OPTIONS_BY_NAME)
         settings = RedisSettings.from_options(extra)
         assert (settings.host, settings.port) == ("redis", 6379)
+        # vLLM logs this config: the password travels in the environment instead.
+        assert "password" not in extra and settings.password is None
+        assert "@" not in extra["redis_url"]
+        assert "UMBP_REDIS_PASSWORD" in svc["environment"]
         assert settings.ttl_seconds == 86400
     assert services["vllm-second"]["profiles"] == ["second"]
 

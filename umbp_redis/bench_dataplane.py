@@ -2,11 +2,16 @@
 
 Every figure is measured in one run against one server, beside its baselines:
 ``redis-benchmark`` (the server's ceiling), plain redis-py with hiredis (the naive
-client) and, for lookups, a redis-py EXISTS pipeline and sequential EXISTS calls.
+client), this client without its checksum (the checksum's cost) and, for lookups, a
+redis-py EXISTS pipeline and sequential EXISTS calls.
+
+It writes only keys of its own run (``umbp:vllm:v1:bench-<run>:...`` and
+``bench:<run>:...``) and deletes only those: it never flushes a database.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import subprocess
@@ -20,6 +25,20 @@ from umbp_redis.config import RedisSettings
 from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
 
 FINGERPRINT = b"\x42" * 16
+RUN = f"{os.getpid():x}{time.time_ns() & 0xFFFFFF:06x}"
+NS = f"bench-{RUN}"
+
+
+_REDIS_BENCHMARK_KEY = "key:__rand_int__"
+
+
+def _own_keys(r: Any, pattern: str) -> list[bytes]:
+    return list(r.scan_iter(match=pattern, count=1000))
+
+
+def _delete(r: Any, keys: list[Any]) -> None:
+    for i in range(0, len(keys), 500):
+        r.unlink(*keys[i : i + 500])
 
 
 def _best(fn: Callable[[], float], repeats: int) -> float:
@@ -57,7 +76,13 @@ def redis_benchmark_gbps(settings: RedisSettings, size: int, requests: int) -> d
         args += ["--dbnum", str(settings.db)]
     if settings.tls:
         args += ["--tls"] + (["--cacert", settings.tls_ca_cert] if settings.tls_ca_cert else [])
+    # redis-benchmark's SET/GET use the one key below; remove it after only if it is ours.
+    r = _redispy_client(settings)
+    theirs = bool(r.exists(_REDIS_BENCHMARK_KEY))
     out = subprocess.run(args, capture_output=True, text=True, timeout=600).stdout
+    if not theirs:
+        r.unlink(_REDIS_BENCHMARK_KEY)
+    r.close()
     rates: dict[str, float] = {}
     for line in out.splitlines():
         cols = [c.strip('"') for c in line.split(",")]
@@ -89,7 +114,7 @@ def redispy_gbps(settings: RedisSettings, size: int, count: int, repeats: int) -
     """Pipelined SET and GET GB/s of plain redis-py (hiredis) at ``size`` bytes."""
     r = _redispy_client(settings)
     value = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
-    keys = [f"bench:redispy:{size}:{i}" for i in range(count)]
+    keys = [f"bench:{RUN}:redispy:{size}:{i}" for i in range(count)]
     batch = max(1, (32 << 20) // size)
 
     def do_set() -> float:
@@ -112,7 +137,7 @@ def redispy_gbps(settings: RedisSettings, size: int, count: int, repeats: int) -
         return time.perf_counter() - t0
 
     ts, tg = _best(do_set, repeats), _best(do_get, repeats)
-    r.delete(*keys)
+    _delete(r, keys)
     r.close()
     return {"set": count * size / ts / 1e9, "get": count * size / tg / 1e9}
 
@@ -121,7 +146,7 @@ def umbp_gbps(dp: RedisDataPlane, size: int, count: int, repeats: int) -> dict[s
     """This project's store (staging -> Redis) and load (Redis -> staging) GB/s."""
     staging = np.random.default_rng(2).integers(0, 256, (count, size), dtype=np.uint8)
     dest = np.zeros_like(staging)
-    keys = [f"umbp:vllm:v1:bench:tp0:pcp0:dcp0:pp0:g0:{size:x}{i:08x}" for i in range(count)]
+    keys = [f"umbp:vllm:v1:{NS}:tp0:pcp0:dcp0:pp0:g0:{size:x}{i:08x}" for i in range(count)]
     store_items = [(k, staging[i]) for i, k in enumerate(keys)]
     load_items = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
 
@@ -148,7 +173,7 @@ def umbp_gbps(dp: RedisDataPlane, size: int, count: int, repeats: int) -> dict[s
 def lookup_latency_ms(dp: RedisDataPlane, settings: RedisSettings, nkeys: int) -> dict[str, float]:
     """p50 ms of one lookup of ``nkeys`` keys (half present), three ways."""
     r = _redispy_client(settings)
-    keys = [f"umbp:vllm:v1:bench:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(nkeys)]
+    keys = [f"umbp:vllm:v1:{NS}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(nkeys)]
     p = r.pipeline(transaction=False)
     for k in keys[::2]:
         p.set(k, b"x")
@@ -189,7 +214,7 @@ def lookup_latency_ms(dp: RedisDataPlane, settings: RedisSettings, nkeys: int) -
         "redispy_pipeline_ms_p50": p50(t_pipe, 21),
         "sequential_exists_ms_p50": p50(t_seq, 5),
     }
-    r.delete(*keys[::2])
+    _delete(r, keys[::2])
     r.close()
     return out
 
@@ -207,16 +232,16 @@ def memory_overhead(
     r = _redispy_client(settings)
     staging = np.random.default_rng(3).integers(0, 256, (count, size), dtype=np.uint8)
 
+    keys = [f"umbp:vllm:v1:{NS}:tp0:pcp0:dcp0:pp0:g0:m{i:063x}" for i in range(count)]
+
     def grow(write: Callable[[], None]) -> float:
-        r.flushdb()
         time.sleep(0.2)
         before = _dataset_memory(r)
         write()
         after = _dataset_memory(r)
-        r.flushdb()
+        _delete(r, keys)
         return (after - before) / (count * size)
 
-    keys = [f"umbp:vllm:v1:bench:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(count)]
 
     def umbp() -> None:
         st = dp.store([(k, staging[i]) for i, k in enumerate(keys)], FINGERPRINT)
@@ -248,6 +273,7 @@ def run_dataplane_bench(
     """Run every measurement and return the JSON-able result."""
     settings = RedisSettings.from_url(url)
     dp = RedisDataPlane(settings)
+    plain = RedisDataPlane(RedisSettings.from_url(url, checksum=False))
 
     def say(msg: str) -> None:
         if progress is not None:
@@ -260,8 +286,9 @@ def run_dataplane_bench(
         rb = redis_benchmark_gbps(settings, size, requests=count * 2)
         say(f"[bench] {size} B values: plain redis-py")
         rp = redispy_gbps(settings, size, count, repeats)
-        say(f"[bench] {size} B values: umbp-redis")
+        say(f"[bench] {size} B values: umbp-redis (checksum on, then off)")
         um = umbp_gbps(dp, size, count, repeats)
+        un = umbp_gbps(plain, size, count, repeats)
         results.append(
             {
                 "value_bytes": size,
@@ -271,6 +298,8 @@ def run_dataplane_bench(
                 "redispy_get_gbps": rp["get"],
                 "umbp_store_gbps": um["store"],
                 "umbp_load_gbps": um["load"],
+                "umbp_nochecksum_store_gbps": un["store"],
+                "umbp_nochecksum_load_gbps": un["load"],
             }
         )
     lookups = []
@@ -285,6 +314,11 @@ def run_dataplane_bench(
         mem[str(size)] = m["umbp"]
         mem_plain[str(size)] = m["plain_set"]
     dp.close()
+    plain.close()
+    r = _redispy_client(settings)
+    leftover = _own_keys(r, f"umbp:vllm:v1:{NS}:*") + _own_keys(r, f"bench:{RUN}:*")
+    _delete(r, leftover)
+    r.close()
     return {
         "results": results,
         "lookup": lookups,
@@ -308,6 +342,17 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['umbp_store_gbps'] / rb_s:5.2f}x / {r['umbp_load_gbps'] / rb_g:5.2f}x | "
             f"{r['umbp_store_gbps'] / r['redispy_set_gbps']:5.1f}x / "
             f"{r['umbp_load_gbps'] / r['redispy_get_gbps']:5.1f}x"
+        )
+    lines.append("")
+    lines.append(
+        "value size | umbp store/load GB/s, checksum on | off | checksum cost (on/off)"
+    )
+    for r in result["results"]:
+        on_s, on_l = r["umbp_store_gbps"], r["umbp_load_gbps"]
+        off_s, off_l = r["umbp_nochecksum_store_gbps"], r["umbp_nochecksum_load_gbps"]
+        lines.append(
+            f"{r['value_bytes']:>10} | {on_s:6.2f} / {on_l:6.2f} | {off_s:6.2f} / {off_l:6.2f} | "
+            f"{on_s / off_s:5.2f}x / {on_l / off_l:5.2f}x"
         )
     lines.append("")
     lines.append("lookup keys | umbp p50 ms | redis-py pipeline p50 ms | sequential EXISTS p50 ms")

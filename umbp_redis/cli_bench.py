@@ -19,7 +19,8 @@ def register(sub: Any) -> None:
     dp.add_argument(
         "--redis-url",
         default=None,
-        help="server to measure (default: $UMBP_REDIS_URL, else a private server)",
+        help="server to measure (default: a private server started for the run); the "
+        "benchmark writes and deletes only keys of its own run",
     )
     dp.add_argument("--json", action="store_true", help="print one JSON object")
     dp.add_argument(
@@ -34,12 +35,10 @@ def register(sub: Any) -> None:
 
 
 def _run_dataplane(args: argparse.Namespace) -> int:
-    import os
-
     from umbp_redis.bench_dataplane import format_table, run_dataplane_bench
     from umbp_redis.embedded_redis import EmbeddedRedis
 
-    url = args.redis_url or os.environ.get("UMBP_REDIS_URL")
+    url = args.redis_url
     sizes = [int(s) for s in args.sizes.split(",") if s]
     server = None
     if not url:

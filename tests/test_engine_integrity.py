@@ -1,0 +1,162 @@
+"""Never a wrong token: real vLLM engines (CPU, the tiny model) against real Redis.
+
+Every generation is compared token for token with an engine without the connector.
+The engines here leave ``kv_load_failure_policy`` at vLLM's default ("fail"): the
+connector must make a bad or missing value a recompute all the same.
+
+* Values moved to other keys, values without checksums, damaged bodies: misses,
+  recomputed, and stored again (valid) by the engine that recomputed them.
+* New weights at the same model path: a new namespace, nothing of the old one loads.
+* Prefixes every request shares stay in a small LRU Redis that many suffixes overflow.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_connector_engine import BLOCK, PROMPTS, full_blocks, run_engine, tokens
+from test_weights_fingerprint import rewrite_weights
+
+from umbp_redis.embedded_redis import EmbeddedRedis
+from umbp_redis.tiny_model import sample_prompts
+
+pytestmark = pytest.mark.vllm
+
+OBJECT_BYTES = 2 * 65536  # the tiny model: 2 layers x 64 KiB pages per block
+
+
+def connector(url: str, **extra: Any) -> dict[str, Any]:
+    """The connector as a new user writes it: no kv_load_failure_policy."""
+    return {
+        "kv_connector": "UMBPRedisConnector",
+        "kv_connector_module_path": "umbp_redis.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"redis_url": url, "fail_fast_s": 0.5, **extra},
+    }
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("integrity")
+
+
+@pytest.fixture(scope="module")
+def model_dir(work: Path, tiny_model: Path) -> Path:
+    """A copy of the tiny model whose weights the tests replace in place."""
+    dst = work / "model"
+    shutil.copytree(tiny_model, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    with EmbeddedRedis() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def baseline(work: Path, model_dir: Path) -> dict:  # type: ignore[type-arg]
+    return run_engine(work, "baseline1", model_dir, None, [{"op": "generate", "name": "g"}])["g"]
+
+
+@pytest.fixture(scope="module")
+def integrity_run(
+    work: Path, model_dir: Path, server: EmbeddedRedis, baseline: dict  # type: ignore[type-arg]
+) -> dict:  # type: ignore[type-arg]
+    url = server.url
+    phases = [
+        {"op": "generate", "name": "cold"},
+        {"op": "count_keys", "url": url, "name": "n_cold"},
+        {"op": "swap", "url": url, "name": "swapped"},
+        {"op": "reset"},
+        {"op": "generate", "name": "after_swap"},
+        {"op": "validate", "url": url, "name": "valid_after_swap"},
+        {"op": "reset"},
+        {"op": "generate", "name": "warm"},
+        {"op": "strip_checksum", "url": url, "name": "stripped"},
+        {"op": "reset"},
+        {"op": "generate", "name": "after_strip"},
+        {"op": "validate", "url": url, "name": "valid_after_strip"},
+        {"op": "corrupt", "url": url, "name": "corrupted"},
+        {"op": "reset"},
+        {"op": "generate", "name": "after_corrupt"},
+        {"op": "validate", "url": url, "name": "valid_after_corrupt"},
+    ]
+    return run_engine(work, "integrity", model_dir, connector(url), phases)
+
+
+def test_bad_values_are_misses_and_are_stored_again(
+    integrity_run: dict, baseline: dict, work: Path  # type: ignore[type-arg]
+) -> None:
+    res = integrity_run
+    expected = tokens(baseline)
+    for phase in ("cold", "after_swap", "warm", "after_strip", "after_corrupt"):
+        assert tokens(res[phase]) == expected, phase
+    n = res["n_cold"]
+    assert n == 2 + len(PROMPTS) and res["swapped"] == n
+    # Every value was bad in each round; the engine recomputed and stored them again.
+    for phase in ("valid_after_swap", "valid_after_strip", "valid_after_corrupt"):
+        assert res[phase]["keys"] == n and res[phase]["valid"] == n, (phase, res[phase])
+    # What it stored again is good: the next fresh prefix cache hits all of it.
+    for o in res["warm"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    log = (work / "integrity.log").read_text()
+    assert "kv_load_failure_policy was 'fail'; using 'recompute'" in log
+    assert "Traceback" not in log
+
+
+def test_new_weights_at_the_same_path_share_nothing_and_hot_prefixes_stay(
+    work: Path,
+    model_dir: Path,
+    server: EmbeddedRedis,
+    integrity_run: dict,  # type: ignore[type-arg]
+) -> None:
+    url = server.url
+    old_namespace = integrity_run["valid_after_corrupt"]["namespaces"]
+    rewrite_weights(model_dir, seed=99)
+    # Three prefixes of two blocks; each prompt adds one block of its own.
+    fill: list[list[str]] = [[], [], []]
+    warm: list[str] = []
+    for p, seed in enumerate((11, 12, 13)):
+        prompts = sample_prompts(14, 420, seed=seed, shared_prefix_words=300)
+        fill[p], warm = fill[p] + prompts[:12], warm + prompts[12:]
+    rounds = [[fill[p][i] for p in range(3) for i in range(j, j + 3)] for j in (0, 3, 6, 9)]
+    base = run_engine(
+        work,
+        "baseline2",
+        model_dir,
+        None,
+        [{"op": "generate", "name": "g"}, {"op": "generate", "name": "warm", "prompts": warm}],
+    )
+    phases: list[dict[str, Any]] = [
+        {"op": "generate", "name": "g"},
+        {"op": "validate", "url": url, "name": "after_new_weights"},
+        # A small LRU cache: room for about 24 objects; 6 shared + 36 unique are stored.
+        {"op": "limit_memory", "url": url, "objects": 24, "object_bytes": OBJECT_BYTES},
+    ]
+    phases += [{"op": "generate", "name": f"fill{i}", "prompts": r} for i, r in enumerate(rounds)]
+    phases += [
+        {"op": "evicted", "url": url, "name": "evicted"},
+        {"op": "reset"},
+        {"op": "generate", "name": "warm", "prompts": warm},
+    ]
+    res = run_engine(
+        work,
+        "new_weights",
+        model_dir,
+        connector(url, max_inflight_bytes=256 << 10),
+        phases,
+    )
+    # New weights: nothing of the old namespace loaded, a namespace of its own.
+    assert tokens(res["g"]) == tokens(base["g"])
+    assert res["g"]["outputs"][0]["cached"] == 0
+    namespaces = res["after_new_weights"]["namespaces"]
+    assert len(namespaces) == 2 and set(old_namespace) < set(namespaces)
+    # Hot prefixes: evictions happened, yet every warm prompt loads its shared prefix.
+    assert res["evicted"] > 0
+    assert tokens(res["warm"]) == tokens(base["warm"])
+    for o in res["warm"]["outputs"]:
+        assert o["cached"] >= 2 * BLOCK, res["warm"]["outputs"]
