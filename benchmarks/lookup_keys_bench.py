@@ -105,62 +105,75 @@ def floor_ms(port: int, buf: bytes, replies: int, runs: int) -> float:
     return out
 
 
+def measure(
+    srv: EmbeddedRedis, mc: ModelConfig, kv: Any, hashes: list[bytes], tp: int, refresh: bool
+) -> tuple[float, float, float, float]:
+    """(before, first, again, floor) p50 ms for one TP size and lookup mode."""
+    extra = {"key_namespace": "bench", "refresh_ttl_on_lookup": refresh, "lookup_timeout_s": 30.0}
+    cfg = make_vllm_config(mc, extra=extra)
+    # Set after validation: the tiny model's 2 heads do not divide by 8, and only the
+    # key layout (8 rank keys a block) matters here.
+    cfg.parallel_config.tensor_parallel_size = tp
+    dp = RedisDataPlane(RedisSettings.from_url(srv.url, lookup_timeout_s=30.0))
+    s = UMBPScheduler(cfg, kv, validate_options(extra), dataplane=dp)
+    assert s.codec is not None
+    r = redis.Redis(port=srv.port)
+    pipe = r.pipeline(transaction=False)
+    for h in hashes:
+        for k in s.codec.rank_keys(h, 0):
+            pipe.set(k, b"x")
+    pipe.execute()
+    n_tok = BLOCKS * BS + 1
+    count = iter(range(10**9))
+
+    def first() -> None:
+        req = Req(f"r{next(count)}", n_tok, hashes)
+        assert s.get_num_new_matched_tokens(req, 0)[0] == BLOCKS * BS  # type: ignore[arg-type]
+        s.request_finished(req)  # type: ignore[arg-type]
+
+    held = Req("held", n_tok, hashes)
+
+    def again() -> None:
+        assert s.get_num_new_matched_tokens(held, 0)[0] == BLOCKS * BS  # type: ignore[arg-type]
+
+    def before() -> None:
+        assert old_lookup(s, dp, hashes) == BLOCKS
+
+    runs = 11
+    t_before = p50_ms(before, runs) if refresh else float("nan")
+    t_first, t_again = p50_ms(first, runs), p50_ms(again, runs)
+    buf = b"".join(s.requests["held"].lookup_cmds)
+    n_replies = BLOCKS * (s._keys_per_block if refresh else 1)
+    t_floor = floor_ms(srv.port, buf, n_replies, runs)
+    s.shutdown()
+    dp.close()
+    r.flushall()
+    r.close()
+    return t_before, t_first, t_again, t_floor
+
+
 def main() -> None:
     model = build_tiny_llama(ROOT / ".umbp-test-cache" / "tiny-llama")
     mc = ModelConfig(model=str(model), dtype="bfloat16", max_model_len=1024)
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
     hashes = [i.to_bytes(32, "big") for i in range(BLOCKS)]
-    rows = []
     with EmbeddedRedis() as srv:
-        r = redis.Redis(port=srv.port)
-        for tp in (1, 8):
-            for refresh in (True, False):
-                extra = {"key_namespace": "bench", "refresh_ttl_on_lookup": refresh,
-                         "lookup_timeout_s": 30.0}
-                cfg = make_vllm_config(mc, tp=tp, extra=extra)
-                opts = validate_options(extra)
-                dp = RedisDataPlane(RedisSettings.from_url(srv.url, lookup_timeout_s=30.0))
-                s = UMBPScheduler(cfg, kv, opts, dataplane=dp)
-                assert s.codec is not None
-                pipe = r.pipeline(transaction=False)
-                for h in hashes:
-                    for k in s.codec.rank_keys(h, 0):
-                        pipe.set(k, b"x")
-                pipe.execute()
-                n_tok = BLOCKS * BS + 1
-                count = iter(range(10**9))
-
-                def first() -> None:
-                    req = Req(f"r{next(count)}", n_tok, hashes)
-                    assert s.get_num_new_matched_tokens(req, 0)[0] == BLOCKS * BS  # type: ignore[arg-type]
-                    s.request_finished(req)  # type: ignore[arg-type]
-
-                held = Req("held", n_tok, hashes)
-
-                def again() -> None:
-                    assert s.get_num_new_matched_tokens(held, 0)[0] == BLOCKS * BS  # type: ignore[arg-type]
-
-                def before() -> None:
-                    assert old_lookup(s, dp, hashes) == BLOCKS
-
-                runs = 11
-                t_before = p50_ms(before, runs) if refresh else float("nan")
-                t_first, t_again = p50_ms(first, runs), p50_ms(again, runs)
-                st = s.requests["held"]
-                buf = b"".join(st.lookup_cmds)
-                n_replies = BLOCKS * (s._keys_per_block if refresh else 1)
-                t_floor = floor_ms(srv.port, buf, n_replies, runs)
-                rows.append((tp, refresh, t_before, t_first, t_again, t_floor))
-                s.shutdown()
-                dp.close()
-                r.flushall()
+        rows = [
+            (tp, refresh, *measure(srv, mc, kv, hashes, tp, refresh))
+            for tp in (1, 8)
+            for refresh in (True, False)
+        ]
     print(f"lookup of {BLOCKS} blocks (block size {BS}), every block present; p50 ms")
-    print("TP | TTL refresh | before | first (keys built) | again (cached) | Redis floor | "
-          "before/first | again/floor")
+    print(
+        "TP | TTL refresh | before | first (keys built) | again (cached) | Redis floor | "
+        "before/first | again/floor"
+    )
     for tp, refresh, tb, tf, ta, tfl in rows:
         ratio = f"{tb / tf:6.1f}x" if refresh else "     -"
-        print(f"{tp:2} | {'EXPIRE' if refresh else 'TOUCH ':>11} | {tb:6.1f} | {tf:18.1f} | "
-              f"{ta:14.1f} | {tfl:11.1f} | {ratio} | {ta / tfl:5.2f}x")
+        print(
+            f"{tp:2} | {'EXPIRE' if refresh else 'TOUCH ':>11} | {tb:6.1f} | {tf:18.1f} | "
+            f"{ta:14.1f} | {tfl:11.1f} | {ratio} | {ta / tfl:5.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -64,7 +64,10 @@ def baseline(work: Path, model_dir: Path) -> dict:  # type: ignore[type-arg]
 
 @pytest.fixture(scope="module")
 def integrity_run(
-    work: Path, model_dir: Path, server: EmbeddedRedis, baseline: dict  # type: ignore[type-arg]
+    work: Path,
+    model_dir: Path,
+    server: EmbeddedRedis,
+    baseline: dict,  # type: ignore[type-arg]
 ) -> dict:  # type: ignore[type-arg]
     url = server.url
     phases = [
@@ -89,7 +92,9 @@ def integrity_run(
 
 
 def test_bad_values_are_misses_and_are_stored_again(
-    integrity_run: dict, baseline: dict, work: Path  # type: ignore[type-arg]
+    integrity_run: dict,
+    baseline: dict,
+    work: Path,  # type: ignore[type-arg]
 ) -> None:
     res = integrity_run
     expected = tokens(baseline)

@@ -309,28 +309,42 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
 def test_keys_are_built_once_per_block(
     model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from umbp_redis import scheduler as sched_mod
+    from umbp_redis.dataplane import LookupEncoder
 
-    built: list[int] = []
-    real = sched_mod.lookup_commands
+    built: list[bytes] = []
+    real = LookupEncoder.encode
 
-    def counting(keys, **kw):  # type: ignore[no-untyped-def]
-        built.append(len(keys))
-        return real(keys, **kw)
+    def counting(self, hash_hex):  # type: ignore[no-untyped-def]
+        built.append(hash_hex)
+        return real(self, hash_hex)
 
-    monkeypatch.setattr(sched_mod, "lookup_commands", counting)
+    monkeypatch.setattr(LookupEncoder, "encode", counting)
     dp = ScriptedDataPlane()
     s = make_scheduler(model_config, dp, tp=2)
     req = request(4 * BS + 5)
     req.block_hashes = req.block_hashes[:2]  # the rest arrive later
     s.get_num_new_matched_tokens(req, 0)
-    assert built == [2, 2]  # two blocks, two rank keys each
+    assert len(built) == 2
     s.get_num_new_matched_tokens(req, 0)
-    assert built == [2, 2]  # asked again: nothing rebuilt
+    assert len(built) == 2  # asked again: nothing rebuilt
     req.block_hashes = request(4 * BS + 5).block_hashes
     s.get_num_new_matched_tokens(req, 0)
-    assert built == [2, 2, 2, 2]  # only the new blocks
-    assert len(dp.calls[-1]) == 4 * 2
+    assert len(built) == 4  # only the new blocks
+    assert len(dp.calls[-1]) == 4 * 2  # two rank keys a block, all in one round trip
+
+
+def test_encoded_lookups_equal_the_reference_encoding() -> None:
+    from umbp_redis.dataplane import LookupEncoder, lookup_commands
+
+    prefixes = [b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:", b"umbp:vllm:v1:ns:tp1:pcp0:dcp0:pp0:g0:"]
+    hx = bytes(range(32)).hex().encode()
+    for refresh in (True, False):
+        enc = LookupEncoder(prefixes, refresh_ttl=refresh, ttl=b"3600", hash_hex_len=len(hx))
+        keys = [p + hx for p in prefixes]
+        want, replies = lookup_commands(keys, refresh_ttl=refresh, ttl=b"3600")
+        assert enc.encode(hx) == want and enc.replies == replies
+    with pytest.raises(ValueError, match="expected 64"):
+        enc.encode(b"ab")
 
 
 def test_without_ttl_refresh_one_touch_per_block_checks_every_rank(

@@ -242,7 +242,6 @@ def memory_overhead(
         _delete(r, keys)
         return (after - before) / (count * size)
 
-
     def umbp() -> None:
         st = dp.store([(k, staging[i]) for i, k in enumerate(keys)], FINGERPRINT)
         assert all(s is StoreStatus.STORED for s in st)
@@ -344,9 +343,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['umbp_load_gbps'] / r['redispy_get_gbps']:5.1f}x"
         )
     lines.append("")
-    lines.append(
-        "value size | umbp store/load GB/s, checksum on | off | checksum cost (on/off)"
-    )
+    lines.append("value size | umbp store/load GB/s, checksum on | off | checksum cost (on/off)")
     for r in result["results"]:
         on_s, on_l = r["umbp_store_gbps"], r["umbp_load_gbps"]
         off_s, off_l = r["umbp_nochecksum_store_gbps"], r["umbp_nochecksum_load_gbps"]

@@ -128,6 +128,46 @@ def _touch_cmd(keys: Sequence[bytes]) -> bytes:
     )
 
 
+class LookupEncoder:
+    """Encodes one block's lookup commands from the block hash alone, fast.
+
+    ``prefixes`` are the block's keys up to the hash (every rank and group); the
+    commands of ``lookup_commands`` are precomputed around the hash's position, so a
+    block costs one ``bytes.join`` with the hash's hex as the separator.
+    """
+
+    def __init__(
+        self, prefixes: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes, hash_hex_len: int
+    ) -> None:
+        self.refresh_ttl = refresh_ttl
+        self.replies = len(prefixes) if refresh_ttl else 1
+        self.hash_hex_len = hash_hex_len
+        n = hash_hex_len
+        pieces: list[bytes] = []
+        if refresh_ttl:
+            tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+            for i, p in enumerate(prefixes):
+                head = b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s" % (len(p) + n, p)
+                pieces.append(head if i == 0 else tail + head)
+            pieces.append(tail)
+        else:
+            head = b"*%d\r\n$5\r\nTOUCH\r\n" % (len(prefixes) + 1)
+            for i, p in enumerate(prefixes):
+                arg = b"$%d\r\n%s" % (len(p) + n, p)
+                pieces.append(head + arg if i == 0 else b"\r\n" + arg)
+            pieces.append(b"\r\n")
+        self._pieces = pieces
+
+    def encode(self, hash_hex: bytes) -> bytes:
+        """The block's commands (``lookup_commands`` of its keys), for a hash of the
+        length given at construction."""
+        if len(hash_hex) != self.hash_hex_len:
+            raise ValueError(
+                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
+            )
+        return hash_hex.join(self._pieces)
+
+
 def lookup_commands(keys: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes) -> tuple[bytes, int]:
     """Pre-encoded presence check of ``keys`` that together form one block, and its reply count.
 

@@ -36,7 +36,7 @@ from umbp_redis.data import (
     UMBPNamespace,
     tp_replicated_group_ids,
 )
-from umbp_redis.dataplane import RedisDataPlane, lookup_commands, shared_dataplane
+from umbp_redis.dataplane import LookupEncoder, RedisDataPlane, shared_dataplane
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -169,6 +169,8 @@ class UMBPScheduler:
         self._ttl_arg = str(int(options.get("ttl_seconds", 86400))).encode()
         self.report_timeout_s = float(options.get("store_report_timeout_s", 120.0))
         self.stale_pins_released = 0
+        # Per block-hash length: the codec they were built for and the encoder.
+        self._encoders: dict[int, tuple[BlockIdentityCodec, LookupEncoder]] = {}
         self.num_workers = self.topology.num_rank_namespaces
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[BlockLoadBatch] = []
@@ -211,25 +213,32 @@ class UMBPScheduler:
             self.requests[request.request_id] = st
         return st
 
-    def _lookup_cmds(self, st: _RequestState, upto: int) -> list[bytes] | None:
+    def _lookup_cmds(self, st: _RequestState, upto: int) -> list[bytes]:
         """Encoded lookup commands of blocks [0, upto) (fewer if hashes run out), built
-        incrementally: each block's keys are made once for the request's lifetime."""
+        incrementally: each block's commands are made once for the request's lifetime."""
         codec = self.codec
         assert codec is not None
         if st.codec is not codec:  # a new namespace: nothing built before applies
             st.lookup_cmds, st.codec = [], codec
         cmds = st.lookup_cmds
-        if len(cmds) < upto:
-            prefixes = [p.encode() for g in self.groups for p in codec.key_prefixes(g)]
-            for i in range(len(cmds), upto):
-                h = self._hash_of_block(st.request, i)
-                if h is None:
-                    break
-                hx = h.hex().encode()
-                cmd, _ = lookup_commands(
-                    [p + hx for p in prefixes], refresh_ttl=self._refresh_ttl, ttl=self._ttl_arg
+        for i in range(len(cmds), upto):
+            h = self._hash_of_block(st.request, i)
+            if h is None:
+                break
+            hx = h.hex().encode()
+            enc = self._encoders.get(len(hx))
+            if enc is None or enc[0] is not codec:
+                prefixes = [p.encode() for g in self.groups for p in codec.key_prefixes(g)]
+                enc = self._encoders[len(hx)] = (
+                    codec,
+                    LookupEncoder(
+                        prefixes,
+                        refresh_ttl=self._refresh_ttl,
+                        ttl=self._ttl_arg,
+                        hash_hex_len=len(hx),
+                    ),
                 )
-                cmds.append(cmd)
+            cmds.append(enc[1].encode(hx))
         return cmds
 
     @property
@@ -260,7 +269,7 @@ class UMBPScheduler:
         max_blocks = (request.num_prompt_tokens - 1) // bs  # the last token is computed
         start = num_computed_tokens // bs
         cmds = self._lookup_cmds(st, max_blocks)
-        if cmds is None or len(cmds) <= start:
+        if len(cmds) <= start:
             return 0, False
         n_blocks = len(cmds)
         per_block = self._keys_per_block
