@@ -229,3 +229,30 @@ def test_client_setname_is_best_effort(secured: EmbeddedRedis) -> None:
     assert dp.lookup([k]) == [True]
     assert dp.counters()["auth_failures"] == 0
     dp.close()
+
+
+def test_the_documented_minimal_acl_is_enough(own_redis: EmbeddedRedis) -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    rule = next(ln for ln in doc.splitlines() if ln.startswith("ACL SETUSER umbp "))
+    r = redis.Redis.from_url(own_redis.url)
+    r.execute_command(*rule.replace(">SECRET", ">acl-pass").split())
+    for refresh in (True, False):
+        url = f"redis://umbp:acl-pass@127.0.0.1:{own_redis.port}/1"  # SELECT is allowed
+        dp = make_dp(url, refresh_ttl_on_lookup=refresh)
+        k, bad = keys_for(2, f"acl{int(refresh)}")
+        payload = np.arange(4096, dtype=np.uint8)
+        assert dp.store([(k, payload)], FP) == [StoreStatus.STORED]
+        assert dp.lookup([k, bad]) == [True, False]
+        dst = np.zeros(4096, dtype=np.uint8)
+        assert dp.load([(k, memoryview(dst))], FP) == [LoadStatus.LOADED]
+        assert np.array_equal(dst, payload)
+        assert dp.delete([k]) == 1
+        assert dp.counters()["auth_failures"] == 0
+        dp.close()
+    # Outside umbp:* the user can do nothing.
+    dp = make_dp(f"redis://umbp:acl-pass@127.0.0.1:{own_redis.port}/0")
+    assert dp.lookup(["other:key"]) is None
+    assert dp.counters()["auth_failures"] == 1
+    dp.close()

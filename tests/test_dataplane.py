@@ -654,3 +654,20 @@ def test_unix_socket() -> None:
         assert d.store([(k, payloads(1, 5000)[0])], FP) == [StoreStatus.STORED]
         assert d.lookup([k]) == [True]
         d.close()
+
+
+def test_reply_buffer_gives_memory_back_after_a_large_reply(dp: RedisDataPlane) -> None:
+    # This payload keeps a 2 MiB tail in field h, which the reader buffers whole.
+    size = (10 << 20) - 100
+    assert size - body_length(size) > 4 * resp._READ_CHUNK
+    k = keys_for(1, "big")[0]
+    src = payloads(1, size)
+    assert dp.store([(k, src[0])], FP) == [StoreStatus.STORED]
+    dst = np.zeros(size, dtype=np.uint8)
+    assert dp.load([(k, memoryview(dst))], FP) == [LoadStatus.LOADED]
+    assert np.array_equal(dst, src[0])
+    small = keys_for(1, "small")[0]
+    dp.store([(small, payloads(1, 64)[0])], FP)
+    assert dp.load([(small, memoryview(np.zeros(64, dtype=np.uint8)))], FP) == [LoadStatus.LOADED]
+    with dp.pool.connection() as conn:
+        assert len(conn.reader.buf) <= 4 * resp._READ_CHUNK

@@ -112,9 +112,10 @@ class ReplyReader:
                 n = self.end - self.start
                 self.buf[:n] = self.buf[self.start : self.end]
                 self.start, self.end = 0, n
-            else:
-                self.buf.extend(bytes(len(self.buf)))
-                self.view = memoryview(self.buf)
+            else:  # a new, larger buffer: the old one has a live memoryview
+                grown = bytearray(2 * len(self.buf))
+                grown[: self.end] = self.view[: self.end]
+                self.buf, self.view = grown, memoryview(grown)
         self.end += self._recv_into(self.view[self.end :])
 
     def read_line(self) -> bytes:
