@@ -371,7 +371,7 @@ class RedisDataPlane:
             log.debug("lookup got error replies: %s", errors[0])
             self._note_refusals(errors, "EXPIRE")
             return None
-        return [int(r) for r in replies]
+        return [r for r in replies if not isinstance(r, ErrorReply)]
 
     # -- shared round trips ------------------------------------------------------------
 
