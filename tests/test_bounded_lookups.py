@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import redis
+from fake_servers import FakeServer
 
 from umbp_redis.config import RedisSettings
 from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
@@ -42,39 +43,14 @@ def timed_lookups(dp: RedisDataPlane, n: int = 8) -> list[float]:
     return out
 
 
-class _SilentServer:
-    """Accepts connections and reads what is sent, never answering."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.clients: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.clients.append(c)
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.clients:
-            c.close()
-
-
 @pytest.fixture
-def silent() -> Iterator[_SilentServer]:
-    s = _SilentServer()
+def silent() -> Iterator[FakeServer]:
+    s = FakeServer()  # reads, never answers
     yield s
     s.close()
 
 
-def test_a_server_that_accepts_and_never_replies(silent: _SilentServer) -> None:
+def test_a_server_that_accepts_and_never_replies(silent: FakeServer) -> None:
     dp = make_dp(f"redis://127.0.0.1:{silent.port}/0", op_timeout_s=5.0, connect_timeout_s=5.0)
     times = timed_lookups(dp)
     assert max(times) < TIMEOUT + MARGIN, times

@@ -7,12 +7,13 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
+from fake_servers import FakeServer, loading_server
 
 from umbp_redis import dataplane, resp
 from umbp_redis.config import RedisSettings
@@ -232,46 +233,6 @@ def test_a_key_of_another_type_is_an_error_not_invalid(dp: RedisDataPlane, redis
     assert r.get(k) == b"plain string"
 
 
-class _ScriptedServer:
-    """A TCP server answering each received buffer with ``reply(data)`` (or never)."""
-
-    def __init__(self, reply: Callable[[bytes], bytes | None]) -> None:
-        self.reply = reply
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
-        self.port = self.sock.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._client, args=(c,), daemon=True).start()
-
-    def _client(self, c: socket.socket) -> None:
-        with c:
-            while True:
-                try:
-                    data = c.recv(1 << 20)
-                except OSError:
-                    return
-                if not data:
-                    return
-                if data.startswith(b"*3\r\n$6\r\nCLIENT"):  # the handshake
-                    c.sendall(b"+OK\r\n")
-                    continue
-                out = self.reply(data)
-                if out is not None:
-                    c.sendall(out)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.mark.parametrize(
     "error",
     [
@@ -285,7 +246,7 @@ class _ScriptedServer:
     ],
 )
 def test_error_replies_to_a_load_are_errors_never_invalid(error: bytes) -> None:
-    srv = _ScriptedServer(lambda data: b"-" + error + b"\r\n" * data.count(b"HMGET"))
+    srv = FakeServer(lambda data: b"-" + error + b"\r\n" * data.count(b"HMGET"))
     d = make_dp(srv.url, fail_fast_s=0)
     assert _load_one(d, keys_for(1)[0]) is LoadStatus.ERROR
     assert d.stats.snapshot()["load_invalid"] == 0
@@ -298,7 +259,7 @@ def test_error_replies_to_a_load_are_errors_never_invalid(error: bytes) -> None:
     [b":abc\r\n", b"$zz\r\n", b"*2\r\n$99999999999999\r\n", b"?\r\n", b":-\r\n"],
 )
 def test_malformed_replies_are_misses_never_exceptions(reply: bytes) -> None:
-    srv = _ScriptedServer(lambda data: reply * 4)
+    srv = FakeServer(lambda data: reply * 4)
     d = make_dp(srv.url, fail_fast_s=0, lookup_timeout_s=0.5)
     assert d.lookup(keys_for(3)) is None
     assert _load_one(d, keys_for(1)[0]) in (LoadStatus.ERROR, LoadStatus.INVALID)
@@ -486,42 +447,13 @@ def test_server_restart_reconnects_automatically(own_redis: EmbeddedRedis) -> No
     d.close()
 
 
-class _LoadingServer:
-    """A TCP server that answers every command with ``-LOADING`` (as Redis does at startup)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._client, args=(c,), daemon=True).start()
-
-    @staticmethod
-    def _client(c: socket.socket) -> None:
-        with c:
-            while True:
-                data = c.recv(65536)
-                if not data:
-                    return
-                n = data.count(b"*")  # one reply per command in the buffer
-                c.sendall(b"-LOADING Redis is loading the dataset in memory\r\n" * max(1, n))
-
-
 def test_loading_server_is_a_miss() -> None:
-    srv = _LoadingServer()
+    srv = loading_server()
     d = make_dp(f"redis://127.0.0.1:{srv.port}/0", fail_fast_s=5)
     assert d.lookup(keys_for(2)) is None
     assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
     assert not d.pool.healthy
-    srv.sock.close()
+    srv.close()
     d.close()
 
 

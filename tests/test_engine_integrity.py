@@ -70,23 +70,24 @@ def integrity_run(
     baseline: dict,  # type: ignore[type-arg]
 ) -> dict:  # type: ignore[type-arg]
     url = server.url
+
+    def damage(op: str, after: str) -> list[dict[str, Any]]:
+        """Damage every stored value, generate on a fresh local cache, validate."""
+        return [
+            {"op": op, "url": url, "name": f"{op}_count"},
+            {"op": "reset"},
+            {"op": "generate", "name": after},
+            {"op": "validate", "url": url, "name": f"valid_{after}"},
+        ]
+
     phases = [
         {"op": "generate", "name": "cold"},
         {"op": "count_keys", "url": url, "name": "n_cold"},
-        {"op": "swap", "url": url, "name": "swapped"},
-        {"op": "reset"},
-        {"op": "generate", "name": "after_swap"},
-        {"op": "validate", "url": url, "name": "valid_after_swap"},
+        *damage("swap", "after_swap"),
         {"op": "reset"},
         {"op": "generate", "name": "warm"},
-        {"op": "strip_checksum", "url": url, "name": "stripped"},
-        {"op": "reset"},
-        {"op": "generate", "name": "after_strip"},
-        {"op": "validate", "url": url, "name": "valid_after_strip"},
-        {"op": "corrupt", "url": url, "name": "corrupted"},
-        {"op": "reset"},
-        {"op": "generate", "name": "after_corrupt"},
-        {"op": "validate", "url": url, "name": "valid_after_corrupt"},
+        *damage("strip_checksum", "after_strip"),
+        *damage("corrupt", "after_corrupt"),
     ]
     return run_engine(work, "integrity", model_dir, connector(url), phases)
 
@@ -101,7 +102,7 @@ def test_bad_values_are_misses_and_are_stored_again(
     for phase in ("cold", "after_swap", "warm", "after_strip", "after_corrupt"):
         assert tokens(res[phase]) == expected, phase
     n = res["n_cold"]
-    assert n == 2 + len(PROMPTS) and res["swapped"] == n
+    assert n == 2 + len(PROMPTS) and res["swap_count"] == n
     # Every value was bad in each round; the engine recomputed and stored them again.
     for phase in ("valid_after_swap", "valid_after_strip", "valid_after_corrupt"):
         assert res[phase]["keys"] == n and res[phase]["valid"] == n, (phase, res[phase])
