@@ -23,10 +23,14 @@ from typing import Any
 
 import torch
 
-from umbp_redis.cpu_copy import CpuBlockCopier, TorchBlockCopier, consecutive_sequences
 from umbp_redis.data import KVLayoutPlanner, StagingCopyPlan
-from umbp_redis.gpu_copy import chunk_table, launch_entries
-from umbp_redis.staging import StagingPool
+from umbp_redis.engine.copy.cuda_copy import chunk_table, launch_entries
+from umbp_redis.engine.copy.torch_copy import (
+    CpuBlockCopier,
+    TorchBlockCopier,
+    consecutive_sequences,
+)
+from umbp_redis.engine.staging import StagingPool
 
 
 def timed(fn: Callable[[], object], reps: int = 15) -> float:

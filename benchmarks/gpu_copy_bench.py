@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from umbp_redis.data import KVLayoutPlanner, StagingCopyPlan
-from umbp_redis.gpu_copy import CHUNK_BYTES, THREADS_PER_CTA, CupyBlockCopier
-from umbp_redis.staging import StagingPool
+from umbp_redis.engine.copy.cuda_copy import CHUNK_BYTES, THREADS_PER_CTA, CupyBlockCopier
+from umbp_redis.engine.staging import StagingPool
 
 GB = 1e9
 

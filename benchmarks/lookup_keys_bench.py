@@ -36,11 +36,11 @@ from test_data_identity import make_vllm_config  # noqa: E402
 from vllm.config import ModelConfig  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from umbp_redis.config import RedisSettings, validate_options  # noqa: E402
-from umbp_redis.dataplane import RedisDataPlane, _expire_cmd  # noqa: E402
-from umbp_redis.embedded_redis import EmbeddedRedis  # noqa: E402
-from umbp_redis.scheduler import UMBPScheduler  # noqa: E402
-from umbp_redis.tiny_model import build_tiny_llama  # noqa: E402
+from umbp_redis.engine.scheduler import UMBPScheduler  # noqa: E402
+from umbp_redis.ops.embedded_redis import EmbeddedRedis  # noqa: E402
+from umbp_redis.ops.tiny_model import build_tiny_llama  # noqa: E402
+from umbp_redis.store.plane import RedisDataPlane, _expire_cmd  # noqa: E402
+from umbp_redis.store.settings import RedisSettings, validate_options  # noqa: E402
 
 BLOCKS = 8000
 BS = 16
@@ -63,7 +63,7 @@ def p50_ms(fn: Callable[[], Any], runs: int) -> float:
     return statistics.median(samples) * 1e3
 
 
-def old_lookup(s: UMBPScheduler, dp: RedisDataPlane, hashes: list[bytes]) -> int:
+def old_lookup(s: UMBPScheduler, plane: RedisDataPlane, hashes: list[bytes]) -> int:
     """The scheduler's lookup before keys were cached (key building + EXPIRE each)."""
     codec = s.codec
     assert codec is not None
@@ -77,9 +77,9 @@ def old_lookup(s: UMBPScheduler, dp: RedisDataPlane, hashes: list[bytes]) -> int
         ]
         per_block = len(block_keys)
         keys.extend(block_keys)
-    ttl = dp.ttl_arg
+    ttl = plane.ttl_arg
     buf = b"".join(_expire_cmd(k.encode(), ttl) for k in keys)
-    replies = dp.lookup_replies(buf, len(keys), timeout=30.0)
+    replies = plane.lookup_replies(buf, len(keys), timeout=30.0)
     assert replies is not None
     hits = 0
     for b in range(len(hashes)):
@@ -114,8 +114,8 @@ def measure(
     # Set after validation: the tiny model's 2 heads do not divide by 8, and only the
     # key layout (8 rank keys a block) matters here.
     cfg.parallel_config.tensor_parallel_size = tp
-    dp = RedisDataPlane(RedisSettings.from_url(srv.url, lookup_timeout_s=30.0))
-    s = UMBPScheduler(cfg, kv, validate_options(extra), dataplane=dp)
+    plane = RedisDataPlane(RedisSettings.from_url(srv.url, lookup_timeout_s=30.0))
+    s = UMBPScheduler(cfg, kv, validate_options(extra), plane=plane)
     assert s.codec is not None
     r = redis.Redis(port=srv.port)
     pipe = r.pipeline(transaction=False)
@@ -137,7 +137,7 @@ def measure(
         assert s.get_num_new_matched_tokens(held, 0)[0] == BLOCKS * BS  # type: ignore[arg-type]
 
     def before() -> None:
-        assert old_lookup(s, dp, hashes) == BLOCKS
+        assert old_lookup(s, plane, hashes) == BLOCKS
 
     runs = 11
     t_before = p50_ms(before, runs) if refresh else float("nan")
@@ -146,7 +146,7 @@ def measure(
     n_replies = BLOCKS * (s._keys_per_block if refresh else 1)
     t_floor = floor_ms(srv.port, buf, n_replies, runs)
     s.shutdown()
-    dp.close()
+    plane.close()
     r.flushall()
     r.close()
     return t_before, t_first, t_again, t_floor

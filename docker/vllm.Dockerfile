@@ -8,4 +8,4 @@ COPY umbp_redis /opt/umbp-redis/umbp_redis
 # vLLM and torch come with the image; add only this package and its small dependencies.
 RUN pip install --no-cache-dir "redis[hiredis]>=5.0" "xxhash>=3.0" "${CUPY_PACKAGE}>=13" \
  && pip install --no-cache-dir --no-deps /opt/umbp-redis \
- && python3 -c "import importlib.resources as r; assert r.files('umbp_redis').joinpath('block_copy.cu').is_file()"
+ && python3 -c "import importlib.resources as r; assert r.files('umbp_redis.engine.copy').joinpath('block_copy.cu').is_file()"

@@ -1,10 +1,10 @@
-"""Regenerate docs/configuration.md from the option table in umbp_redis/config.py."""
+"""Regenerate docs/configuration.md from the option table in umbp_redis/store/settings.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from umbp_redis.config import OPTIONS, _type_name
+from umbp_redis.store.settings import OPTIONS, _type_name
 
 HEAD = """# Configuration
 
@@ -18,7 +18,7 @@ Every option goes in `kv_connector_extra_config` of `--kv-transfer-config`, for 
 
 (`kv_connector_module_path` is not needed once the package is installed: it registers the
 name through the `vllm.general_plugins` entry point.) Unknown keys and wrong types are
-errors at startup that name the key and list the valid ones (`umbp_redis/config.py` holds
+errors at startup that name the key and list the valid ones (`umbp_redis/store/settings.py` holds
 the table this page is generated from by `scripts/gen_config_doc.py` and checked against by
 `tests/test_docs.py`).
 

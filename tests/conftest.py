@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from umbp_redis.embedded_redis import EmbeddedRedis
+from umbp_redis.ops.embedded_redis import EmbeddedRedis
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 REPO = Path(__file__).resolve().parent.parent
@@ -85,6 +85,6 @@ def emulated_kernel(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[n
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """A random tiny Llama with its tokenizer, built locally once and reused."""
-    from umbp_redis.tiny_model import build_tiny_llama
+    from umbp_redis.ops.tiny_model import build_tiny_llama
 
     return build_tiny_llama(CACHE / "tiny-llama")

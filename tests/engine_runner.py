@@ -16,6 +16,9 @@ import json
 import os
 import sys
 import time
+from typing import Any, cast
+
+from typed_redis import raw
 
 
 def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -29,7 +32,7 @@ def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
     sched = core.scheduler.connector._scheduler
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    worker = get_kv_transfer_group()._worker
+    worker: Any = cast(Any, get_kv_transfer_group())._worker
     deadline = time.time() + 10
     while not worker.idle() and time.time() < deadline:
         time.sleep(0.05)
@@ -49,7 +52,7 @@ def main(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    kw = {}
+    kw: dict[str, Any] = {}
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     extra = spec.get("engine_args", {})
@@ -78,7 +81,7 @@ def main(spec_path: str) -> None:
                     {
                         "tokens": list(o.outputs[0].token_ids),
                         "cached": o.num_cached_tokens,
-                        "prompt_tokens": len(o.prompt_token_ids),
+                        "prompt_tokens": len(o.prompt_token_ids or []),
                     }
                     for o in outs
                 ],
@@ -93,7 +96,7 @@ def main(spec_path: str) -> None:
                 if op == "delete":
                     r.delete(k)
                 else:
-                    body = bytearray(r.hget(k, "b") or b"")
+                    body = bytearray(raw(r.hget(k, "b") or b""))
                     body[len(body) // 2] ^= 0xFF
                     r.hset(k, "b", bytes(body))
             results[phase.get("name", op)] = len(keys)
@@ -109,7 +112,7 @@ def main(spec_path: str) -> None:
             except redis.ConnectionError:
                 pass
         elif op == "start_redis":
-            from umbp_redis.embedded_redis import EmbeddedRedis
+            from umbp_redis.ops.embedded_redis import EmbeddedRedis
 
             servers.append(EmbeddedRedis(port=phase["port"]).start())
             time.sleep(phase.get("wait_s", 1.5))  # past the fail-fast window
@@ -118,26 +121,26 @@ def main(spec_path: str) -> None:
         elif op == "swap":  # each value moves to the next key: well formed, wrong block
             r = redis.Redis.from_url(phase["url"])
             keys = sorted(r.scan_iter(match="umbp:vllm:v1:*", count=1000))
-            dumps = [r.dump(k) for k in keys]
+            dumps = [raw(r.dump(k)) for k in keys]
             for k, d in zip(keys, dumps[1:] + dumps[:1], strict=True):
                 r.restore(k, 0, d, replace=True)
             results[phase["name"]] = len(keys)
         elif op == "strip_checksum":  # as written by a writer with checksum off
             import struct
 
-            from umbp_redis.value_format import HEADER
+            from umbp_redis.store.value_format import HEADER
 
             r = redis.Redis.from_url(phase["url"])
             keys = list(r.scan_iter(match="umbp:vllm:v1:*", count=1000))
             for k in keys:
-                h = bytearray(r.hget(k, "h") or b"")
+                h = bytearray(raw(r.hget(k, "h") or b""))
                 fields = list(HEADER.unpack_from(h))
                 fields[2], fields[6] = 0, 0  # flags, checksum
                 h[: HEADER.size] = struct.pack(HEADER.format, *fields)
                 r.hset(k, "h", bytes(h))
             results[phase["name"]] = len(keys)
         elif op == "validate":  # every stored value, checked as `umbp-redis inspect` does
-            from umbp_redis.cli_admin import inspect_value
+            from umbp_redis.ops.admin import inspect_value
 
             r = redis.Redis.from_url(phase["url"])
             keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v1:*", count=1000)]

@@ -1,4 +1,4 @@
-// Runs umbp_redis/block_copy.cu on the CPU: the kernel's own source, compiled as C++,
+// Runs umbp_redis/engine/copy/block_copy.cu on the CPU: the kernel's own source, compiled as C++,
 // with every CTA and thread of the grid executed in turn. The kernel has no shared
 // memory or barriers, so a sequential schedule is one of its legal schedules.
 #define UMBP_HOST_EMULATION 1

@@ -1,4 +1,4 @@
-"""Build and launch the CPU emulation of ``umbp_redis/block_copy.cu``.
+"""Build and launch the CPU emulation of ``umbp_redis/engine/copy/block_copy.cu``.
 
 ``kernel_emulation.cpp`` compiles the kernel's own source as C++ and runs its grid on
 the CPU. ``launch`` takes the same (grid, block, args) a CuPy ``RawKernel`` call takes,
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 TESTS = Path(__file__).resolve().parent
-PKG = TESTS.parent / "umbp_redis"
+PKG = TESTS.parent / "umbp_redis" / "engine" / "copy"
 
 # umbp_copy_chunks(const i64* chunks, int n_chunks, const int* entries, int n_entries,
 #                  char* staging_base, i64 slot_bytes, int to_staging)

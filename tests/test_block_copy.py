@@ -24,9 +24,6 @@ from kv_fixtures import vllm_layout_caches
 from layout_cases import CASES, fill_random, page_bytes, storages, zeroed_clone
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from umbp_redis.block_copy import CopyBackendUnavailable, make_block_copier
-from umbp_redis.config import validate_options
-from umbp_redis.cpu_copy import PlanOutOfBounds, TorchBlockCopier, consecutive_sequences
 from umbp_redis.data import (
     KVLayoutPlanner,
     KVRange,
@@ -34,12 +31,20 @@ from umbp_redis.data import (
     KVRangeTemplate,
     StagingCopyPlan,
 )
-from umbp_redis.errors import ConfigError
-from umbp_redis.gpu_copy import KERNEL_NAME, chunk_table, kernel_source, launch_entries
-from umbp_redis.staging import StagingPool, staging_budget
+from umbp_redis.engine.copy.cuda_copy import KERNEL_NAME, chunk_table, kernel_source, launch_entries
+from umbp_redis.engine.copy.factory import make_block_copier
+from umbp_redis.engine.copy.interface import CopyBackendUnavailable
+from umbp_redis.engine.copy.torch_copy import (
+    PlanOutOfBounds,
+    TorchBlockCopier,
+    consecutive_sequences,
+)
+from umbp_redis.engine.staging import StagingPool, staging_budget
+from umbp_redis.store.errors import ConfigError
+from umbp_redis.store.settings import validate_options
 
 REPO = Path(__file__).resolve().parent.parent
-PKG = REPO / "umbp_redis"
+PKG = REPO / "umbp_redis" / "engine" / "copy"
 
 
 def _vllm_case(layout: KVCacheLayout) -> Callable[[str], tuple]:  # type: ignore[type-arg]
@@ -312,7 +317,7 @@ def test_backend_selection_on_cpu() -> None:
 def test_gpu_copier_without_cupy_is_unavailable_not_an_import_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from umbp_redis.gpu_copy import CupyBlockCopier
+    from umbp_redis.engine.copy.cuda_copy import CupyBlockCopier
 
     planner, templates, caches, pool = _setup("packed_4d")
     monkeypatch.setitem(sys.modules, "cupy", None)

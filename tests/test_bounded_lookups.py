@@ -16,9 +16,9 @@ import pytest
 import redis
 from fake_servers import FakeServer
 
-from umbp_redis.config import RedisSettings
-from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
-from umbp_redis.embedded_redis import EmbeddedRedis
+from umbp_redis.ops.embedded_redis import EmbeddedRedis
+from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
+from umbp_redis.store.settings import RedisSettings
 
 FP = b"\x05" * 16
 TIMEOUT = 0.25
@@ -30,15 +30,15 @@ def keys_for(n: int, tag: str = "b") -> list[str]:
     return [f"umbp:vllm:v1:bl:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
 
 
-def make_dp(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
+def make_plane(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
     return RedisDataPlane(RedisSettings.from_url(url, lookup_timeout_s=TIMEOUT, **kw))
 
 
-def timed_lookups(dp: RedisDataPlane, n: int = 8) -> list[float]:
+def timed_lookups(plane: RedisDataPlane, n: int = 8) -> list[float]:
     out = []
     for _ in range(n):
         t0 = time.monotonic()
-        assert dp.lookup(keys_for(50)) is None
+        assert plane.lookup(keys_for(50)) is None
         out.append(time.monotonic() - t0)
     return out
 
@@ -51,10 +51,12 @@ def silent() -> Iterator[FakeServer]:
 
 
 def test_a_server_that_accepts_and_never_replies(silent: FakeServer) -> None:
-    dp = make_dp(f"redis://127.0.0.1:{silent.port}/0", op_timeout_s=5.0, connect_timeout_s=5.0)
-    times = timed_lookups(dp)
+    plane = make_plane(
+        f"redis://127.0.0.1:{silent.port}/0", op_timeout_s=5.0, connect_timeout_s=5.0
+    )
+    times = timed_lookups(plane)
     assert max(times) < TIMEOUT + MARGIN, times
-    dp.close()
+    plane.close()
 
 
 def test_an_address_that_drops_syns() -> None:
@@ -76,10 +78,10 @@ def test_an_address_that_drops_syns() -> None:
     with pytest.raises(OSError):  # the setup works: a connect does hang
         probe.connect(("127.0.0.1", port))
     probe.close()
-    dp = make_dp(f"redis://127.0.0.1:{port}/0", connect_timeout_s=5.0)
-    times = timed_lookups(dp)
+    plane = make_plane(f"redis://127.0.0.1:{port}/0", connect_timeout_s=5.0)
+    times = timed_lookups(plane)
     assert max(times) < TIMEOUT + MARGIN, times
-    dp.close()
+    plane.close()
     for s in [*fillers, lst]:
         s.close()
 
@@ -89,28 +91,28 @@ def test_debug_sleep_bounds_lookups_and_opens_no_fail_fast_window(
 ) -> None:
     r = redis.Redis.from_url(own_redis.url)
     r.config_set("enable-debug-command", "yes") if _debug_needs_enabling(r) else None
-    dp = make_dp(own_redis.url, fail_fast_s=5.0)
+    plane = make_plane(own_redis.url, fail_fast_s=5.0)
     k = keys_for(1, "s")[0]
-    assert dp.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
-    assert dp.lookup([k]) == [True]  # the warm connection is up
+    assert plane.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
+    assert plane.lookup([k]) == [True]  # the warm connection is up
     sleeper = threading.Thread(
         target=lambda: redis.Redis.from_url(own_redis.url).execute_command("DEBUG", "SLEEP", "1.2")
     )
     sleeper.start()
     time.sleep(0.1)
-    times = timed_lookups(dp, n=3)
+    times = timed_lookups(plane, n=3)
     assert max(times) < TIMEOUT + MARGIN, times
     sleeper.join()
     # A slow reply is not a dead server: no 5 s fail-fast window for either kind of call.
-    assert dp.lookup_conn.health.healthy and dp.pool.healthy
+    assert plane.lookup_conn.health.healthy and plane.pool.healthy
     deadline = time.monotonic() + 1.0
-    while dp.lookup([k]) != [True]:  # the lookup connection is re-made in the background
+    while plane.lookup([k]) != [True]:  # the lookup connection is re-made in the background
         assert time.monotonic() < deadline
         time.sleep(0.02)
     dst = np.zeros(64, dtype=np.uint8)
-    assert dp.load([(k, memoryview(dst))], FP) == [LoadStatus.LOADED]
-    assert dp.stats.snapshot()["lookup_timeouts"] >= 3
-    dp.close()
+    assert plane.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
+    assert plane.stats.snapshot()["lookup_timeouts"] >= 3
+    plane.close()
 
 
 def _debug_needs_enabling(r: redis.Redis) -> bool:
@@ -121,13 +123,13 @@ def _debug_needs_enabling(r: redis.Redis) -> bool:
 
 
 def test_lookups_and_stores_keep_separate_health(own_redis: EmbeddedRedis) -> None:
-    dp = make_dp(own_redis.url, fail_fast_s=30.0)
+    plane = make_plane(own_redis.url, fail_fast_s=30.0)
     k = keys_for(1, "h")[0]
-    assert dp.lookup([k]) == [False]
-    dp.pool.note_failure(RuntimeError("a failed transfer"))  # transfers fail fast now
-    assert dp.store([(k, np.ones(8, dtype=np.uint8))], FP) == [StoreStatus.ERROR]
-    assert dp.lookup([k]) == [False]  # lookups are unaffected
-    dp.close()
+    assert plane.lookup([k]) == [False]
+    plane.pool.note_failure(RuntimeError("a failed transfer"))  # transfers fail fast now
+    assert plane.store([(k, np.ones(8, dtype=np.uint8))], FP) == [StoreStatus.ERROR]
+    assert plane.lookup([k]) == [False]  # lookups are unaffected
+    plane.close()
 
 
 @pytest.fixture
@@ -174,13 +176,13 @@ def test_auth_failures_are_logged_once_at_error_and_counted(
             "fail_fast_s": 0.05,
         }
     )
-    dp = RedisDataPlane(settings)
+    plane = RedisDataPlane(settings)
     caplog.set_level(logging.DEBUG)
     for _ in range(4):
-        assert dp.lookup(keys_for(3)) is None
+        assert plane.lookup(keys_for(3)) is None
         time.sleep(0.06)
     dst = np.zeros(8, dtype=np.uint8)
-    assert dp.load([(keys_for(1)[0], memoryview(dst))], FP) in (
+    assert plane.load([(keys_for(1)[0], dst.data)], FP) in (
         [LoadStatus.ERROR],
         [LoadStatus.MISSING],  # NOPERM users may not read the key either: never a hit
     )
@@ -193,18 +195,18 @@ def test_auth_failures_are_logged_once_at_error_and_counted(
         assert "right-pass" not in text and "out-pass" not in text
         if password:
             assert password not in text
-    assert dp.counters()["auth_failures"] >= 2
-    dp.close()
+    assert plane.counters()["auth_failures"] >= 2
+    plane.close()
 
 
 def test_client_setname_is_best_effort(secured: EmbeddedRedis) -> None:
     url = f"redis://lean:lean-pass@127.0.0.1:{secured.port}/0"
-    dp = make_dp(url)
+    plane = make_plane(url)
     k = keys_for(1, "lean")[0]
-    assert dp.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
-    assert dp.lookup([k]) == [True]
-    assert dp.counters()["auth_failures"] == 0
-    dp.close()
+    assert plane.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
+    assert plane.lookup([k]) == [True]
+    assert plane.counters()["auth_failures"] == 0
+    plane.close()
 
 
 def test_the_documented_minimal_acl_is_enough(own_redis: EmbeddedRedis) -> None:
@@ -216,19 +218,19 @@ def test_the_documented_minimal_acl_is_enough(own_redis: EmbeddedRedis) -> None:
     r.execute_command(*rule.replace(">SECRET", ">acl-pass").split())
     for refresh in (True, False):
         url = f"redis://umbp:acl-pass@127.0.0.1:{own_redis.port}/1"  # SELECT is allowed
-        dp = make_dp(url, refresh_ttl_on_lookup=refresh)
+        plane = make_plane(url, refresh_ttl_on_lookup=refresh)
         k, bad = keys_for(2, f"acl{int(refresh)}")
         payload = np.arange(4096, dtype=np.uint8)
-        assert dp.store([(k, payload)], FP) == [StoreStatus.STORED]
-        assert dp.lookup([k, bad]) == [True, False]
+        assert plane.store([(k, payload)], FP) == [StoreStatus.STORED]
+        assert plane.lookup([k, bad]) == [True, False]
         dst = np.zeros(4096, dtype=np.uint8)
-        assert dp.load([(k, memoryview(dst))], FP) == [LoadStatus.LOADED]
+        assert plane.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
         assert np.array_equal(dst, payload)
-        assert dp.delete([k]) == 1
-        assert dp.counters()["auth_failures"] == 0
-        dp.close()
+        assert plane.delete([k]) == 1
+        assert plane.counters()["auth_failures"] == 0
+        plane.close()
     # Outside umbp:* the user can do nothing.
-    dp = make_dp(f"redis://umbp:acl-pass@127.0.0.1:{own_redis.port}/0")
-    assert dp.lookup(["other:key"]) is None
-    assert dp.counters()["auth_failures"] == 1
-    dp.close()
+    plane = make_plane(f"redis://umbp:acl-pass@127.0.0.1:{own_redis.port}/0")
+    assert plane.lookup(["other:key"]) is None
+    assert plane.counters()["auth_failures"] == 1
+    plane.close()

@@ -9,17 +9,18 @@ import sys
 import numpy as np
 import pytest
 import redis
+from typed_redis import raw
 
-from umbp_redis.config import RedisSettings
-from umbp_redis.dataplane import RedisDataPlane
-from umbp_redis.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.store.plane import RedisDataPlane
+from umbp_redis.store.settings import RedisSettings
 
 FP = b"\x11" * 16
 
 
 def cli(*args: str, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "umbp_redis.cli", *args],
+        [sys.executable, "-m", "umbp_redis.ops.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -28,11 +29,11 @@ def cli(*args: str, input_text: str | None = None) -> subprocess.CompletedProces
 
 
 def fill(url: str, ns: str, n: int, size: int = 4096, checksum: bool = True) -> list[str]:
-    dp = RedisDataPlane(RedisSettings.from_url(url, checksum=checksum))
+    plane = RedisDataPlane(RedisSettings.from_url(url, checksum=checksum))
     keys = [f"umbp:vllm:v1:{ns}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(n)]
     data = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
-    dp.store(list(zip(keys, data, strict=True)), FP)
-    dp.close()
+    plane.store(list(zip(keys, data, strict=True)), FP)
+    plane.close()
     return keys
 
 
@@ -70,7 +71,7 @@ def test_inspect_valid_and_invalid(redis_url: str) -> None:
     r.copy(keys[0], moved)  # a valid value, but of another key
     other = cli("inspect", moved, "--redis-url", redis_url, "--json")
     assert other.returncode == 1 and "key digest" in json.loads(other.stdout)["error"]
-    h = r.hget(keys[1], "h") or b""
+    h = raw(r.hget(keys[1], "h") or b"")
     r.hset(keys[1], "h", b"XXXX" + h[4:])
     bad = cli("inspect", keys[1], "--redis-url", redis_url, "--json")
     assert bad.returncode == 1 and json.loads(bad.stdout)["valid"] is False
@@ -143,7 +144,7 @@ def test_cli_reads_urls_as_the_connector_does(monkeypatch: pytest.MonkeyPatch) -
         # The password from the environment, the server from $UMBP_REDIS_URL.
         env = {"UMBP_REDIS_URL": f"redis://127.0.0.1:{srv.port}/0", "UMBP_REDIS_PASSWORD": "s3cret"}
         out = subprocess.run(
-            [sys.executable, "-m", "umbp_redis.cli", "doctor", "--json"],
+            [sys.executable, "-m", "umbp_redis.ops.cli", "doctor", "--json"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -181,7 +182,7 @@ def test_url_from_environment(redis_url: str, verb: str, monkeypatch: pytest.Mon
 
     env = {**os.environ, "UMBP_REDIS_URL": redis_url}
     out = subprocess.run(
-        [sys.executable, "-m", "umbp_redis.cli", verb, "--json"],
+        [sys.executable, "-m", "umbp_redis.ops.cli", verb, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -198,7 +199,7 @@ def test_bench_touches_only_its_own_keys(redis_url: str) -> None:
     args = ["bench", "dataplane", "--sizes", "65536", "--total-mib", "2", "--repeats", "1"]
     # $UMBP_REDIS_URL is not a target: without --redis-url a private server is used.
     out = subprocess.run(
-        [sys.executable, "-m", "umbp_redis.cli", *args, "--json"],
+        [sys.executable, "-m", "umbp_redis.ops.cli", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=300,

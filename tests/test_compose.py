@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from umbp_redis.config import OPTIONS_BY_NAME, RedisSettings
+from umbp_redis.store.settings import OPTIONS_BY_NAME, RedisSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,4 +86,4 @@ def test_engine_image_installs_cupy_and_ships_the_kernel_source() -> None:
     assert "ARG CUPY_PACKAGE=cupy-cuda12x" in text and '"${CUPY_PACKAGE}>=13"' in text
     # The image checks that the installed package carries the kernel's source.
     assert "block_copy.cu" in text
-    assert (ROOT / "umbp_redis" / "block_copy.cu").is_file()
+    assert (ROOT / "umbp_redis" / "engine" / "copy" / "block_copy.cu").is_file()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from umbp_redis.config import OPTIONS, RedisSettings, validate_options
-from umbp_redis.errors import ConfigError
-from umbp_redis.value_format import (
+from umbp_redis.store.errors import ConfigError
+from umbp_redis.store.settings import OPTIONS, RedisSettings, validate_options
+from umbp_redis.store.value_format import (
     HEADER_SIZE,
     InvalidValue,
     body_length,
@@ -136,7 +137,7 @@ def test_header_round_trip_and_validation() -> None:
     assert len(h) == HEADER_SIZE + payload.nbytes - body
     hdr = decode_header(h)
     assert hdr.has_checksum and hdr.payload_len == payload.nbytes and hdr.body_len == body
-    ok = {"payload_len": payload.nbytes, "body_field_len": body, "key": key}
+    ok: dict[str, Any] = {"payload_len": payload.nbytes, "body_field_len": body, "key": key}
     validate_header(hdr, fingerprint=fp, require_checksum=True, **ok)
     with pytest.raises(InvalidValue, match="fingerprint"):
         validate_header(hdr, fingerprint=b"\x02" * 16, require_checksum=True, **ok)

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import redis
 from test_cli import cli
+from typed_redis import raw
 
 from umbp_redis.data import parse_key
-from umbp_redis.embedded_redis import EmbeddedRedis, free_port
-from umbp_redis.tiny_model import sample_prompts
+from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.ops.tiny_model import sample_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -161,8 +162,8 @@ def test_engines_with_other_model_settings_never_share_objects(
     # A copy of an engine's object with a damaged header fails validation.
     src = next(iter(r.scan_iter(match=f"umbp:vllm:v1:{old_ns}:*"))).decode()
     bad = src.rsplit(":", 1)[0] + ":" + "ab" * 32
-    r.restore(bad, 0, r.dump(src))
-    h = r.hget(bad, "h") or b""
+    r.restore(bad, 0, raw(r.dump(src)))
+    h = raw(r.hget(bad, "h") or b"")
     r.hset(bad, "h", h[:4] + b"\x09\x00" + h[6:])  # format version 9
     inspect = cli("inspect", bad, "--redis-url", server.url, "--json")
     assert inspect.returncode == 1 and "version" in json.loads(inspect.stdout)["error"]

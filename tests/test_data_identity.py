@@ -48,6 +48,12 @@ def make_vllm_config(
     return cfg
 
 
+def ktc(cfg: VllmConfig) -> KVTransferConfig:
+    """The connector's transfer config of ``cfg`` (set by ``make_vllm_config``)."""
+    assert cfg.kv_transfer_config is not None
+    return cfg.kv_transfer_config
+
+
 # --- RankTopology -------------------------------------------------------------------
 
 
@@ -153,7 +159,6 @@ def test_each_input_changes_the_namespace(model_config: ModelConfig) -> None:
         "spec_dtype": dataclasses.replace(attn_spec(), dtype=torch.float16),
     }.items():
         variants[field_name] = UMBPNamespace.from_vllm_config(base_cfg, plain_config(8, spec))
-    variants["cache_dtype"] = None
     cd = make_vllm_config(model_config)
     cd.cache_config.cache_dtype = "fp8"
     variants["cache_dtype"] = UMBPNamespace.from_vllm_config(cd, kv)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import layout_cases
 import pytest
 import torch
@@ -9,8 +11,8 @@ from kv_fixtures import LAYERS, attn_spec, mla_spec, plain_config, vllm_layout_c
 from layout_cases import fill_random, page_bytes, zeroed_clone
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from umbp_redis.cpu_copy import CpuBlockCopier, PlanOutOfBounds
 from umbp_redis.data import KVLayoutError, KVLayoutPlanner, KVRange
+from umbp_redis.engine.copy.torch_copy import CpuBlockCopier, PlanOutOfBounds
 
 
 def _round_trip(cfg, caches, num_blocks, src_block=3, dst_block=5):  # type: ignore[no-untyped-def]
@@ -55,7 +57,7 @@ def test_vllm_allocated_layouts_round_trip(layout: KVCacheLayout) -> None:
         assert all(len(r.segments) == 1 for r in regions)
     if layout in (KVCacheLayout.LHBNC, KVCacheLayout.BHLNC):
         # Each head's tokens are a separate run.
-        assert all(len(r.segments) == spec.num_kv_heads for r in regions)
+        assert all(len(r.segments) == cast(Any, spec).num_kv_heads for r in regions)
     if layout.is_block_outermost and layout.is_block_compact:
         # All layers of a block are adjacent: the plan coalesces into one range.
         assert len(plan.ranges) == 1

@@ -14,24 +14,26 @@ import numpy as np
 import pytest
 import redis
 from fake_servers import FakeServer, loading_server
+from typed_redis import raw
 
-from umbp_redis import dataplane, resp
-from umbp_redis.config import RedisSettings
-from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus, _transaction_status
-from umbp_redis.embedded_redis import EmbeddedRedis, free_port
-from umbp_redis.errors import RedisLoadingError, RedisUnavailableError
-from umbp_redis.value_format import HEADER, HEADER_SIZE, MAGIC, body_length, key_digest
+from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.store import plane as dataplane
+from umbp_redis.store import resp
+from umbp_redis.store.errors import RedisLoadingError, RedisUnavailableError
+from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus, _transaction_status
+from umbp_redis.store.settings import RedisSettings
+from umbp_redis.store.value_format import HEADER, HEADER_SIZE, MAGIC, body_length, key_digest
 
 FP = b"\x07" * 16
 
 
-def make_dp(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
+def make_plane(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
     return RedisDataPlane(RedisSettings.from_url(url, **kw))
 
 
 @pytest.fixture
-def dp(redis_url: str) -> Iterator[RedisDataPlane]:
-    d = make_dp(redis_url, checksum=True)
+def plane(redis_url: str) -> Iterator[RedisDataPlane]:
+    d = make_plane(redis_url, checksum=True)
     yield d
     d.close()
 
@@ -47,18 +49,18 @@ def keys_for(n: int, tag: str = "t") -> list[str]:
 # --- lookup --------------------------------------------------------------------------
 
 
-def test_lookup_reports_presence_in_order(dp: RedisDataPlane, redis_url: str) -> None:
+def test_lookup_reports_presence_in_order(plane: RedisDataPlane, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     keys = keys_for(300)
     present = {i for i in range(300) if (i * 7) % 3 == 0}
     for i in present:
         r.set(keys[i], b"x")
-    assert dp.lookup(keys, refresh_ttl=False) == [i in present for i in range(300)]
-    assert dp.lookup([]) == []
+    assert plane.lookup(keys, refresh_ttl=False) == [i in present for i in range(300)]
+    assert plane.lookup([]) == []
     assert r.ttl(keys[0]) == -1  # no refresh asked
 
 
-def test_lookup_is_one_round_trip(dp: RedisDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lookup_is_one_round_trip(plane: RedisDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[int] = []
     real = resp.send_buffers
 
@@ -66,16 +68,16 @@ def test_lookup_is_one_round_trip(dp: RedisDataPlane, monkeypatch: pytest.Monkey
         sent.append(len(buffers))
         return real(sock, buffers, use_sendmsg=use_sendmsg, deadline=deadline)
 
-    monkeypatch.setattr("umbp_redis.dataplane.send_buffers", counting)
-    dp.lookup(keys_for(1000))
+    monkeypatch.setattr("umbp_redis.store.plane.send_buffers", counting)
+    plane.lookup(keys_for(1000))
     assert sent == [1]  # every EXISTS in one pre-encoded buffer, one send
 
 
-def test_lookup_refreshes_ttl_of_hits(dp: RedisDataPlane, redis_url: str) -> None:
+def test_lookup_refreshes_ttl_of_hits(plane: RedisDataPlane, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     keys = keys_for(3)
     r.set(keys[0], b"x", ex=10)
-    assert dp.lookup(keys, refresh_ttl=True) == [True, False, False]
+    assert plane.lookup(keys, refresh_ttl=True) == [True, False, False]
     assert r.ttl(keys[0]) > 10_000  # re-armed to ttl_seconds (default 86400)
     assert not r.exists(keys[1])
 
@@ -83,30 +85,30 @@ def test_lookup_refreshes_ttl_of_hits(dp: RedisDataPlane, redis_url: str) -> Non
 # --- store ---------------------------------------------------------------------------
 
 
-def test_store_then_load_is_byte_exact_with_ttl(dp: RedisDataPlane, redis_url: str) -> None:
+def test_store_then_load_is_byte_exact_with_ttl(plane: RedisDataPlane, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     for size in (1000, 65536, 2 << 20, 3 * 65536 + 123):
         src = payloads(6, size, seed=size)
         keys = keys_for(6, f"{size:x}")
-        assert dp.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 6
+        assert plane.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 6
         for k in keys:
             assert 86000 < r.ttl(k) <= 86400
             assert r.hstrlen(k, "b") == body_length(size)
         dst = np.zeros_like(src)
-        st = dp.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
+        st = plane.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
         assert st == [LoadStatus.LOADED] * 6
         assert np.array_equal(src, dst)
 
 
-def test_store_custom_ttl(dp: RedisDataPlane, redis_url: str) -> None:
+def test_store_custom_ttl(plane: RedisDataPlane, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     k = keys_for(1)[0]
-    dp.store([(k, payloads(1, 100)[0])], FP, ttl_seconds=60)
+    plane.store([(k, payloads(1, 100)[0])], FP, ttl_seconds=60)
     assert 0 < r.ttl(k) <= 60
 
 
 def test_store_sends_staging_memory_without_copies(
-    dp: RedisDataPlane, monkeypatch: pytest.MonkeyPatch
+    plane: RedisDataPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src = payloads(4, 65536)
     seen: list[memoryview] = []
@@ -116,32 +118,32 @@ def test_store_sends_staging_memory_without_copies(
         seen.extend(b for b in buffers if isinstance(b, memoryview))
         return real(sock, buffers, use_sendmsg=use_sendmsg)
 
-    monkeypatch.setattr("umbp_redis.dataplane.send_buffers", spy)
-    dp.store(list(zip(keys_for(4), src, strict=True)), FP)
+    monkeypatch.setattr("umbp_redis.store.plane.send_buffers", spy)
+    plane.store(list(zip(keys_for(4), src, strict=True)), FP)
     assert len(seen) == 4
     for i, mv in enumerate(seen):
         assert np.shares_memory(np.asarray(mv), src[i])  # a view of the staging row
         assert mv.nbytes == body_length(65536)
 
 
-def test_skip_existing_does_not_resend(dp: RedisDataPlane, redis_url: str) -> None:
+def test_skip_existing_does_not_resend(plane: RedisDataPlane, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     keys = keys_for(4)
     first = payloads(4, 4096, seed=1)
-    dp.store([(keys[0], first[0]), (keys[2], first[2])], FP, ttl_seconds=100)
+    plane.store([(keys[0], first[0]), (keys[2], first[2])], FP, ttl_seconds=100)
     second = payloads(4, 4096, seed=2)
-    st = dp.store(list(zip(keys, second, strict=True)), FP, skip_existing=True)
+    st = plane.store(list(zip(keys, second, strict=True)), FP, skip_existing=True)
     assert st == [StoreStatus.EXISTS, StoreStatus.STORED, StoreStatus.EXISTS, StoreStatus.STORED]
     assert r.ttl(keys[0]) > 100  # re-armed
     dst = np.zeros_like(first)
-    dp.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
+    plane.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
     assert np.array_equal(dst[0], first[0]) and np.array_equal(dst[1], second[1])
-    assert dp.stats.snapshot()["store_skipped"] == 2
+    assert plane.stats.snapshot()["store_skipped"] == 2
 
 
 def test_memory_footprint_within_2_percent(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    d = make_dp(redis_url)
+    d = make_plane(redis_url)
 
     def dataset() -> int:
         info = r.info("memory")
@@ -161,23 +163,23 @@ def test_memory_footprint_within_2_percent(redis_url: str) -> None:
 # --- load: invalid values ------------------------------------------------------------
 
 
-def _stored(dp: RedisDataPlane, size: int = 65536, tag: str = "inv") -> tuple[str, np.ndarray]:
+def _stored(plane: RedisDataPlane, size: int = 65536, tag: str = "inv") -> tuple[str, np.ndarray]:
     k = keys_for(1, tag)[0]
     src = payloads(1, size, seed=9)
-    assert dp.store([(k, src[0])], FP) == [StoreStatus.STORED]
+    assert plane.store([(k, src[0])], FP) == [StoreStatus.STORED]
     return k, src
 
 
-def _load_one(dp: RedisDataPlane, k: str, size: int = 65536, fp: bytes = FP) -> LoadStatus:
+def _load_one(plane: RedisDataPlane, k: str, size: int = 65536, fp: bytes = FP) -> LoadStatus:
     dst = np.zeros(size, dtype=np.uint8)
-    return dp.load([(k, memoryview(dst))], fp)[0]
+    return plane.load([(k, dst.data)], fp)[0]
 
 
-def test_missing_and_wrong_fingerprint(dp: RedisDataPlane) -> None:
-    assert _load_one(dp, "umbp:nothing") is LoadStatus.MISSING
-    k, _ = _stored(dp)
-    assert _load_one(dp, k, fp=b"\x08" * 16) is LoadStatus.INVALID
-    assert _load_one(dp, k, size=65536 - 1) is LoadStatus.INVALID  # wrong length expected
+def test_missing_and_wrong_fingerprint(plane: RedisDataPlane) -> None:
+    assert _load_one(plane, "umbp:nothing") is LoadStatus.MISSING
+    k, _ = _stored(plane)
+    assert _load_one(plane, k, fp=b"\x08" * 16) is LoadStatus.INVALID
+    assert _load_one(plane, k, size=65536 - 1) is LoadStatus.INVALID  # wrong length expected
 
 
 @pytest.mark.parametrize(
@@ -185,12 +187,11 @@ def test_missing_and_wrong_fingerprint(dp: RedisDataPlane) -> None:
     ["short", "long", "magic", "version", "checksum", "body", "no_body", "other_key", "no_csum"],
 )
 def test_each_invalid_value_is_reported_invalid(
-    dp: RedisDataPlane, redis_url: str, damage: str
+    plane: RedisDataPlane, redis_url: str, damage: str
 ) -> None:
     r = redis.Redis.from_url(redis_url)
-    k, src = _stored(dp)
-    h = r.hget(k, "h")
-    assert h is not None
+    k, src = _stored(plane)
+    h = raw(r.hget(k, "h"))
     if damage == "short":
         r.hset(k, "h", h[: HEADER_SIZE - 5])
     elif damage == "long":
@@ -200,36 +201,38 @@ def test_each_invalid_value_is_reported_invalid(
     elif damage == "version":
         r.hset(k, "h", h[:4] + struct.pack("<H", 99) + h[6:])
     elif damage == "checksum":
-        b = bytearray(r.hget(k, "b") or b"")
+        b = bytearray(raw(r.hget(k, "b") or b""))
         b[100] ^= 0xFF
         r.hset(k, "b", bytes(b))
     elif damage == "body":
-        r.hset(k, "b", (r.hget(k, "b") or b"")[:-1])
+        r.hset(k, "b", (raw(r.hget(k, "b") or b""))[:-1])
     elif damage == "no_body":
         r.hdel(k, "b")
     elif damage == "other_key":  # a well-formed value of another block, checksum and all
-        k_other, _ = _stored(dp, tag="other")
+        k_other, _ = _stored(plane, tag="other")
         r.copy(k_other, k, replace=True)
     elif damage == "no_csum":  # a writer without checksums; this reader requires them
-        plain = make_dp(redis_url, checksum=False)
+        plain = make_plane(redis_url, checksum=False)
         assert plain.store([(k, src[0])], FP) == [StoreStatus.STORED]
         plain.close()
-        assert dp.settings.checksum
-    assert _load_one(dp, k) is LoadStatus.INVALID
+        assert plane.settings.checksum
+    assert _load_one(plane, k) is LoadStatus.INVALID
     # The connection stays in sync: the next load on it is right.
     k2 = keys_for(1, "ok")[0]
     good = payloads(1, 65536, seed=3)
-    dp.store([(k2, good[0])], FP)
+    plane.store([(k2, good[0])], FP)
     dst = np.zeros(65536, dtype=np.uint8)
-    assert dp.load([(k2, memoryview(dst))], FP) == [LoadStatus.LOADED]
+    assert plane.load([(k2, dst.data)], FP) == [LoadStatus.LOADED]
     assert np.array_equal(dst, good[0])
 
 
-def test_a_key_of_another_type_is_an_error_not_invalid(dp: RedisDataPlane, redis_url: str) -> None:
+def test_a_key_of_another_type_is_an_error_not_invalid(
+    plane: RedisDataPlane, redis_url: str
+) -> None:
     r = redis.Redis.from_url(redis_url)
     k = keys_for(1, "str")[0]
     r.set(k, b"plain string")  # not ours: WRONGTYPE says nothing about our bytes
-    assert _load_one(dp, k) is LoadStatus.ERROR
+    assert _load_one(plane, k) is LoadStatus.ERROR
     assert r.get(k) == b"plain string"
 
 
@@ -247,7 +250,7 @@ def test_a_key_of_another_type_is_an_error_not_invalid(dp: RedisDataPlane, redis
 )
 def test_error_replies_to_a_load_are_errors_never_invalid(error: bytes) -> None:
     srv = FakeServer(lambda data: b"-" + error + b"\r\n" * data.count(b"HMGET"))
-    d = make_dp(srv.url, fail_fast_s=0)
+    d = make_plane(srv.url, fail_fast_s=0)
     assert _load_one(d, keys_for(1)[0]) is LoadStatus.ERROR
     assert d.stats.snapshot()["load_invalid"] == 0
     d.close()
@@ -260,7 +263,7 @@ def test_error_replies_to_a_load_are_errors_never_invalid(error: bytes) -> None:
 )
 def test_malformed_replies_are_misses_never_exceptions(reply: bytes) -> None:
     srv = FakeServer(lambda data: reply * 4)
-    d = make_dp(srv.url, fail_fast_s=0, lookup_timeout_s=0.5)
+    d = make_plane(srv.url, fail_fast_s=0, lookup_timeout_s=0.5)
     assert d.lookup(keys_for(3)) is None
     assert _load_one(d, keys_for(1)[0]) in (LoadStatus.ERROR, LoadStatus.INVALID)
     assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
@@ -268,16 +271,18 @@ def test_malformed_replies_are_misses_never_exceptions(reply: bytes) -> None:
     srv.close()
 
 
-def test_header_is_readable_with_redis_cli(dp: RedisDataPlane, redis_server: EmbeddedRedis) -> None:
-    k, _ = _stored(dp)
+def test_header_is_readable_with_redis_cli(
+    plane: RedisDataPlane, redis_server: EmbeddedRedis
+) -> None:
+    k, _ = _stored(plane)
     out = subprocess.run(
         ["redis-cli", "-p", str(redis_server.port), "--no-raw", "HGET", k, "h"],
         capture_output=True,
         timeout=10,
     ).stdout
     assert out.startswith(b'"UMBP\\x02\\x00')  # magic then version 2, little-endian
-    raw = redis.Redis(port=redis_server.port).hget(k, "h") or b""
-    magic, version, flags, fp, plen, blen, _, digest = HEADER.unpack_from(raw)
+    header = raw(redis.Redis(port=redis_server.port).hget(k, "h") or b"")
+    magic, version, flags, fp, plen, blen, _, digest = HEADER.unpack_from(header)
     assert (magic, version, fp, plen, blen) == (MAGIC, 2, FP, 65536, 65520)
     assert flags == 1 and digest == key_digest(k.encode())  # checksummed, bound to its key
 
@@ -290,7 +295,7 @@ def test_in_flight_bound_keeps_within_client_output_buffer_limit(own_redis: Embe
     r.config_set("client-output-buffer-limit", "normal 8mb 8mb 0")
     src = payloads(24, 2 << 20)
     keys = keys_for(24)
-    bounded = make_dp(own_redis.url, max_inflight_bytes=4 << 20, transfer_connections=1)
+    bounded = make_plane(own_redis.url, max_inflight_bytes=4 << 20, transfer_connections=1)
     assert set(bounded.store(list(zip(keys, src, strict=True)), FP)) == {StoreStatus.STORED}
     dst = np.zeros_like(src)
     assert (
@@ -299,7 +304,7 @@ def test_in_flight_bound_keeps_within_client_output_buffer_limit(own_redis: Embe
     )
     assert np.array_equal(dst, src)
     # Without the bound, the server drops the connection for exceeding its buffer limit.
-    unbounded = make_dp(
+    unbounded = make_plane(
         own_redis.url, max_inflight_bytes=1 << 30, transfer_connections=1, fail_fast_s=0
     )
     res = unbounded.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
@@ -309,7 +314,7 @@ def test_in_flight_bound_keeps_within_client_output_buffer_limit(own_redis: Embe
 
 
 def test_large_batches_use_several_connections(redis_url: str) -> None:
-    d = make_dp(redis_url, transfer_connections=3)
+    d = make_plane(redis_url, transfer_connections=3)
     src = payloads(12, 2 << 20)
     d.store(list(zip(keys_for(12), src, strict=True)), FP)
     assert d.pool.connects == 3
@@ -321,12 +326,12 @@ def test_large_batches_use_several_connections(redis_url: str) -> None:
 
 def test_connection_refused_is_a_miss_and_fails_fast() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    d = make_dp(url, fail_fast_s=30)
+    d = make_plane(url, fail_fast_s=30)
     t0 = time.monotonic()
     assert d.lookup(keys_for(5)) is None
     assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
     dst = np.zeros(100, dtype=np.uint8)
-    assert d.load([(keys_for(1)[0], memoryview(dst))], FP) == [LoadStatus.ERROR]
+    assert d.load([(keys_for(1)[0], dst.data)], FP) == [LoadStatus.ERROR]
     assert d.pool.failures == 1  # later calls failed fast, without trying to connect
     assert time.monotonic() - t0 < 1.0
     assert not d.pool.healthy
@@ -334,7 +339,7 @@ def test_connection_refused_is_a_miss_and_fails_fast() -> None:
 
 
 def test_timeout_is_bounded_and_a_miss(own_redis: EmbeddedRedis) -> None:
-    d = make_dp(own_redis.url, lookup_timeout_s=0.2, op_timeout_s=0.3, fail_fast_s=0)
+    d = make_plane(own_redis.url, lookup_timeout_s=0.2, op_timeout_s=0.3, fail_fast_s=0)
     d.lookup(keys_for(1))  # connect first
     blocker = redis.Redis.from_url(own_redis.url)
     th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "1.5"))
@@ -345,7 +350,7 @@ def test_timeout_is_bounded_and_a_miss(own_redis: EmbeddedRedis) -> None:
     assert time.monotonic() - t0 < 0.6
     dst = np.zeros(100, dtype=np.uint8)
     t0 = time.monotonic()
-    assert d.load([(keys_for(1)[0], memoryview(dst))], FP) == [LoadStatus.ERROR]
+    assert d.load([(keys_for(1)[0], dst.data)], FP) == [LoadStatus.ERROR]
     assert time.monotonic() - t0 < 1.0
     th.join()
     assert d.lookup(keys_for(3)) == [False] * 3  # back to normal on a fresh connection
@@ -359,7 +364,7 @@ def test_a_store_cut_before_its_exec_leaves_no_value_without_ttl(
     """The connection dies after the server has the whole HSET (and maybe the EXPIRE)
     but not the EXEC: nothing may be written, or the value would never expire."""
     r = redis.Redis.from_url(own_redis.url)
-    d = make_dp(own_redis.url, transfer_connections=1)
+    d = make_plane(own_redis.url, transfer_connections=1)
     assert d.store([(keys_for(1, "warm")[0], payloads(1, 64)[0])], FP) == [StoreStatus.STORED]
     assert r.info("clients")["connected_clients"] == 2  # the pool's connection is open
 
@@ -412,7 +417,7 @@ def test_acl_user_without_transactions_still_stores_with_ttl(
     with EmbeddedRedis() as srv:
         admin, d = acl_user(srv, "-@transaction")
         keys = keys_for(3)
-        with caplog.at_level("WARNING", logger="umbp_redis.dataplane"):
+        with caplog.at_level("WARNING", logger="umbp_redis.store.plane"):
             st = d.store(list(zip(keys, payloads(3, 1000), strict=True)), FP)
         assert st == [StoreStatus.STORED] * 3
         assert all(0 < admin.ttl(k) <= 86400 for k in keys)
@@ -425,7 +430,7 @@ def test_oom_is_reported_per_key(own_redis: EmbeddedRedis) -> None:
     r = redis.Redis.from_url(own_redis.url)
     r.config_set("maxmemory-policy", "noeviction")
     r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + (3 << 20)))
-    d = make_dp(own_redis.url, transfer_connections=1)
+    d = make_plane(own_redis.url, transfer_connections=1)
     st = d.store(list(zip(keys_for(16), payloads(16, 1 << 20), strict=True)), FP)
     assert StoreStatus.STORED in st and StoreStatus.OOM in st
     assert d.pool.healthy  # OOM is not an outage
@@ -434,7 +439,7 @@ def test_oom_is_reported_per_key(own_redis: EmbeddedRedis) -> None:
 
 
 def test_server_restart_reconnects_automatically(own_redis: EmbeddedRedis) -> None:
-    d = make_dp(own_redis.url, fail_fast_s=0.3)
+    d = make_plane(own_redis.url, fail_fast_s=0.3)
     k = keys_for(1)[0]
     d.store([(k, payloads(1, 100)[0])], FP)
     own_redis.kill()
@@ -449,7 +454,7 @@ def test_server_restart_reconnects_automatically(own_redis: EmbeddedRedis) -> No
 
 def test_loading_server_is_a_miss() -> None:
     srv = loading_server()
-    d = make_dp(f"redis://127.0.0.1:{srv.port}/0", fail_fast_s=5)
+    d = make_plane(f"redis://127.0.0.1:{srv.port}/0", fail_fast_s=5)
     assert d.lookup(keys_for(2)) is None
     assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
     assert not d.pool.healthy
@@ -462,15 +467,15 @@ def test_loading_server_is_a_miss() -> None:
 
 def test_password_auth(tmp_path: Path) -> None:
     with EmbeddedRedis(password="pw-123") as srv:
-        good = make_dp(f"redis://:pw-123@127.0.0.1:{srv.port}/0")
+        good = make_plane(f"redis://:pw-123@127.0.0.1:{srv.port}/0")
         assert good.lookup(keys_for(1)) == [False]
         assert good.store([(keys_for(1)[0], payloads(1, 64)[0])], FP) == [StoreStatus.STORED]
-        bad = make_dp(f"redis://:wrong-pw@127.0.0.1:{srv.port}/0")
+        bad = make_plane(f"redis://:wrong-pw@127.0.0.1:{srv.port}/0")
         assert bad.lookup(keys_for(1)) is None
-        nopw = make_dp(srv.url)
+        nopw = make_plane(srv.url)
         assert nopw.lookup(keys_for(1)) is None
-        from umbp_redis.connection import RedisConnection
-        from umbp_redis.errors import RedisAuthError
+        from umbp_redis.store.connection import RedisConnection
+        from umbp_redis.store.errors import RedisAuthError
 
         with pytest.raises(RedisAuthError) as ei:
             RedisConnection(RedisSettings.from_url(f"redis://:wrong-pw@127.0.0.1:{srv.port}/0"))
@@ -484,7 +489,7 @@ def acl_user(srv: EmbeddedRedis, *rules: str) -> tuple[redis.Redis, RedisDataPla
     use ``umbp:*`` keys with every command but as ``rules`` take away."""
     admin = redis.Redis(port=srv.port)
     admin.execute_command("ACL", "SETUSER", "umbp", "on", ">acl-pw", "~umbp:*", "+@all", *rules)
-    return admin, make_dp(f"redis://umbp:acl-pw@127.0.0.1:{srv.port}/0")
+    return admin, make_plane(f"redis://umbp:acl-pw@127.0.0.1:{srv.port}/0")
 
 
 def test_acl_user_limited_to_umbp_keys() -> None:
@@ -496,7 +501,7 @@ def test_acl_user_limited_to_umbp_keys() -> None:
         )
         assert d.lookup(ok) == [True, True]
         dst = np.zeros(1000, dtype=np.uint8)
-        assert d.load([(ok[0], memoryview(dst))], FP) == [LoadStatus.LOADED]
+        assert d.load([(ok[0], dst.data)], FP) == [LoadStatus.LOADED]
         # Keys outside ~umbp:* are refused by the server.
         assert d.store([("other:key", payloads(1, 1000)[0])], FP) == [StoreStatus.ERROR]
         assert not admin.exists("other:key")
@@ -562,7 +567,7 @@ def _make_cert(tmp: Path) -> tuple[str, str, str]:
 def test_tls_connection(tmp_path: Path) -> None:
     files = _make_cert(tmp_path)
     with EmbeddedRedis(tls_files=files) as srv:
-        d = make_dp(srv.url, tls_ca_cert=files[2])
+        d = make_plane(srv.url, tls_ca_cert=files[2])
         src = payloads(3, 65536)
         keys = keys_for(3)
         assert d.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 3
@@ -574,32 +579,32 @@ def test_tls_connection(tmp_path: Path) -> None:
         assert np.array_equal(src, dst)
         d.close()
         # Without the CA the certificate is not trusted: a miss, not a crash.
-        untrusted = make_dp(srv.url)
+        untrusted = make_plane(srv.url)
         assert untrusted.lookup(keys) is None
         untrusted.close()
 
 
 def test_unix_socket() -> None:
     with EmbeddedRedis(unix_socket=True) as srv:
-        d = make_dp(srv.url)
+        d = make_plane(srv.url)
         k = keys_for(1)[0]
         assert d.store([(k, payloads(1, 5000)[0])], FP) == [StoreStatus.STORED]
         assert d.lookup([k]) == [True]
         d.close()
 
 
-def test_reply_buffer_gives_memory_back_after_a_large_reply(dp: RedisDataPlane) -> None:
+def test_reply_buffer_gives_memory_back_after_a_large_reply(plane: RedisDataPlane) -> None:
     # This payload keeps a 2 MiB tail in field h, which the reader buffers whole.
     size = (10 << 20) - 100
     assert size - body_length(size) > 4 * resp._READ_CHUNK
     k = keys_for(1, "big")[0]
     src = payloads(1, size)
-    assert dp.store([(k, src[0])], FP) == [StoreStatus.STORED]
+    assert plane.store([(k, src[0])], FP) == [StoreStatus.STORED]
     dst = np.zeros(size, dtype=np.uint8)
-    assert dp.load([(k, memoryview(dst))], FP) == [LoadStatus.LOADED]
+    assert plane.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
     assert np.array_equal(dst, src[0])
     small = keys_for(1, "small")[0]
-    dp.store([(small, payloads(1, 64)[0])], FP)
-    assert dp.load([(small, memoryview(np.zeros(64, dtype=np.uint8)))], FP) == [LoadStatus.LOADED]
-    with dp.pool.connection() as conn:
+    plane.store([(small, payloads(1, 64)[0])], FP)
+    assert plane.load([(small, np.zeros(64, dtype=np.uint8).data)], FP) == [LoadStatus.LOADED]
+    with plane.pool.connection() as conn:
         assert len(conn.reader.buf) <= 4 * resp._READ_CHUNK

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from umbp_redis.config import OPTIONS
+from umbp_redis.store.settings import OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,8 +20,8 @@ import pytest
 from test_connector_engine import BLOCK, PROMPTS, full_blocks, run_engine, tokens
 from test_weights_fingerprint import rewrite_weights
 
-from umbp_redis.embedded_redis import EmbeddedRedis
-from umbp_redis.tiny_model import sample_prompts
+from umbp_redis.ops.embedded_redis import EmbeddedRedis
+from umbp_redis.ops.tiny_model import sample_prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -28,13 +28,14 @@ import pytest
 import torch
 from layout_cases import CASES, fill_random, storages, zeroed_clone
 
-from umbp_redis import gpu_copy
-from umbp_redis.block_copy import CopyBackendUnavailable, make_block_copier
-from umbp_redis.cpu_copy import TorchBlockCopier
 from umbp_redis.data import KVLayoutPlanner, KVRangeTemplate, StagingCopyPlan
-from umbp_redis.errors import ConfigError
-from umbp_redis.gpu_copy import KERNEL_NAME, CupyBlockCopier, kernel_source
-from umbp_redis.staging import StagingPool
+from umbp_redis.engine.copy import cuda_copy as gpu_copy
+from umbp_redis.engine.copy.cuda_copy import KERNEL_NAME, CupyBlockCopier, kernel_source
+from umbp_redis.engine.copy.factory import make_block_copier
+from umbp_redis.engine.copy.interface import CopyBackendUnavailable
+from umbp_redis.engine.copy.torch_copy import TorchBlockCopier
+from umbp_redis.engine.staging import StagingPool
+from umbp_redis.store.errors import ConfigError
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -313,7 +314,7 @@ def test_unusable_kernel_or_staging_means_unavailable(fake: FakeCuda) -> None:
 def test_auto_falls_back_to_torch_copies_with_a_warning_and_cupy_refuses(
     fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import umbp_redis.cpu_copy as cpu_copy
+    import umbp_redis.engine.copy.torch_copy as cpu_copy
 
     cfg, caches = CASES["mla_3d"]("cpu")
     planner = KVLayoutPlanner(cfg)
@@ -322,7 +323,7 @@ def test_auto_falls_back_to_torch_copies_with_a_warning_and_cupy_refuses(
     monkeypatch.setattr(cpu_copy, "TorchBlockCopier", lambda *a: SimpleNamespace(name="torch"))
     assert make_block_copier("auto", _on_cuda(caches), templates, pool, 6).name == "cupy"  # type: ignore[arg-type]
     fake.fail_build = True
-    with caplog.at_level(logging.WARNING, logger="umbp_redis.block_copy"):
+    with caplog.at_level(logging.WARNING, logger="umbp_redis.engine.copy.factory"):
         assert make_block_copier("auto", _on_cuda(caches), templates, pool, 6).name == "torch"  # type: ignore[arg-type]
     assert "GPU copy kernel unavailable" in caplog.text and "did not build" in caplog.text
     with pytest.raises(ConfigError, match=r"copy_backend.*'cupy'.*did not build"):

@@ -13,10 +13,10 @@ import pytest
 import torch
 from layout_cases import CASES, LAYERS, fill_random, storages, zeroed_clone
 
-from umbp_redis.block_copy import make_block_copier
-from umbp_redis.cpu_copy import TorchBlockCopier
 from umbp_redis.data import KVLayoutPlanner, KVRangeTemplate, StagingCopyPlan
-from umbp_redis.staging import StagingPool
+from umbp_redis.engine.copy.factory import make_block_copier
+from umbp_redis.engine.copy.torch_copy import TorchBlockCopier
+from umbp_redis.engine.staging import StagingPool
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def _planned(
 
 def _gpu_copier(caches, cfg, slots, pool=None, **kw):  # type: ignore[no-untyped-def]
     """A CuPy copier over ``caches`` with a pinned pool of ``slots`` slots (or ``pool``)."""
-    from umbp_redis.gpu_copy import CupyBlockCopier
+    from umbp_redis.engine.copy.cuda_copy import CupyBlockCopier
 
     planner, templates = _planned(caches, cfg)
     size = templates[0].object_size

@@ -9,18 +9,18 @@ from typing import Any
 
 import pytest
 from kv_fixtures import attn_spec, vllm_layout_caches
-from test_data_identity import make_vllm_config
+from test_data_identity import ktc, make_vllm_config
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from umbp_redis.config import validate_options
 from umbp_redis.data import (
     RankTopology,
     StoreEventResult,
     UMBPConnectorWorkerMetadata,
     UMBPHandshakeMetadata,
 )
-from umbp_redis.scheduler import UMBPScheduler
+from umbp_redis.engine.scheduler import UMBPScheduler
+from umbp_redis.store.settings import validate_options
 
 BS = 128
 
@@ -90,16 +90,16 @@ def model_config(tiny_model: Path) -> ModelConfig:
 
 def make_scheduler(
     model_config: ModelConfig,
-    dp: ScriptedDataPlane,
+    plane: ScriptedDataPlane,
     tp: int = 1,
     role: str = "kv_both",
     **extra: Any,
 ) -> UMBPScheduler:
     cfg = make_vllm_config(model_config, tp=tp, extra={"key_namespace": "unit", **extra})
-    cfg.kv_transfer_config.kv_role = role
+    ktc(cfg).kv_role = role  # type: ignore[assignment]
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
-    opts = validate_options(cfg.kv_transfer_config.kv_connector_extra_config)
-    return UMBPScheduler(cfg, kv, opts, dataplane=dp)  # type: ignore[arg-type]
+    opts = validate_options(ktc(cfg).kv_connector_extra_config)
+    return UMBPScheduler(cfg, kv, opts, plane=plane)  # type: ignore[arg-type]
 
 
 def request(n_tokens: int, rid: str = "r1") -> FakeRequest:
@@ -107,30 +107,30 @@ def request(n_tokens: int, rid: str = "r1") -> FakeRequest:
 
 
 def test_counts_the_consecutive_prefix_whose_every_key_exists(model_config: ModelConfig) -> None:
-    dp = ScriptedDataPlane()
-    s = make_scheduler(model_config, dp)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
     req = request(5 * BS + 10)
     assert s.codec is not None
     keys = [s.codec.key(h, 0) for h in req.block_hashes]
-    dp.present = {keys[0], keys[1], keys[3]}
+    plane.present = {keys[0], keys[1], keys[3]}
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
-    assert len(dp.calls) == 1 and dp.calls[0] == keys  # one round trip, all blocks
+    assert len(plane.calls) == 1 and plane.calls[0] == keys  # one round trip, all blocks
     # Side-effect free: asked again, same answer.
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
     # Beyond the local prefix hit only; the locally cached block is refreshed in the
     # same round trip (its presence does not count).
     assert s.get_num_new_matched_tokens(req, BS) == (BS, True)
-    assert dp.calls[-1] == keys
-    dp.present.discard(keys[0])
+    assert plane.calls[-1] == keys
+    plane.present.discard(keys[0])
     assert s.get_num_new_matched_tokens(req, BS) == (BS, True)
 
 
 def test_never_the_whole_prompt(model_config: ModelConfig) -> None:
-    dp = ScriptedDataPlane()
-    s = make_scheduler(model_config, dp)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
     req = request(4 * BS)  # exactly 4 blocks: the last token must be computed
     assert s.codec is not None
-    dp.present = {s.codec.key(h, 0) for h in req.block_hashes}
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
     assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
 
 
@@ -141,34 +141,34 @@ def test_lookup_error_is_zero_hits(model_config: ModelConfig) -> None:
 
 def test_store_only_and_producer_never_look_up(model_config: ModelConfig) -> None:
     for kw in ({"enable_lookup": False}, {"role": "kv_producer"}):
-        dp = ScriptedDataPlane()
-        s = make_scheduler(model_config, dp, **kw)  # type: ignore[arg-type]
+        plane = ScriptedDataPlane()
+        s = make_scheduler(model_config, plane, **kw)  # type: ignore[arg-type]
         assert s.get_num_new_matched_tokens(request(600), 0) == (0, False)
-        assert dp.calls == []
+        assert plane.calls == []
 
 
 def test_tp2_block_needs_every_rank_key(model_config: ModelConfig) -> None:
-    dp = ScriptedDataPlane()
-    s = make_scheduler(model_config, dp, tp=2)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, tp=2)
     req = request(3 * BS + 1)
     assert s.codec is not None
-    dp.present = {s.codec.rank_keys(req.block_hashes[0], 0)[0]}  # only tp0's shard
+    plane.present = {s.codec.rank_keys(req.block_hashes[0], 0)[0]}  # only tp0's shard
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert len(dp.calls[0]) == 2 * 3
-    dp.present |= {k for h in req.block_hashes for k in s.codec.rank_keys(h, 0)}
+    assert len(plane.calls[0]) == 2 * 3
+    plane.present |= {k for h in req.block_hashes for k in s.codec.rank_keys(h, 0)}
     assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
 
 
 def test_derived_namespace_waits_for_the_workers(model_config: ModelConfig) -> None:
     cfg = make_vllm_config(model_config)
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
-    dp = ScriptedDataPlane()
-    s = UMBPScheduler(cfg, kv, validate_options({}), dataplane=dp)  # type: ignore[arg-type]
-    assert s.get_num_new_matched_tokens(request(600), 0) == (0, False) and not dp.calls
+    plane = ScriptedDataPlane()
+    s = UMBPScheduler(cfg, kv, validate_options({}), plane=plane)  # type: ignore[arg-type]
+    assert s.get_num_new_matched_tokens(request(600), 0) == (0, False) and not plane.calls
     s.adopt_handshake({(0, 0): UMBPHandshakeMetadata("abc123", RankTopology())})
     assert s.codec is not None and s.codec.namespace == "abc123"
     s.get_num_new_matched_tokens(request(600), 0)
-    assert dp.calls and dp.calls[0][0].startswith("umbp:vllm:v1:abc123:")
+    assert plane.calls and plane.calls[0][0].startswith("umbp:vllm:v1:abc123:")
 
 
 def _step(new=(), cached=(), sched=None, preempted=None):  # type: ignore[no-untyped-def]
@@ -191,8 +191,8 @@ def _step(new=(), cached=(), sched=None, preempted=None):  # type: ignore[no-unt
 def test_stores_complete_prompt_blocks_once_and_pins_until_reported(
     model_config: ModelConfig,
 ) -> None:
-    dp = ScriptedDataPlane()
-    s = make_scheduler(model_config, dp)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
     pool = FakeBlockPool(32)
     s.bind_block_pool(pool)
     req = request(3 * BS + 40)
@@ -228,11 +228,11 @@ def test_stores_complete_prompt_blocks_once_and_pins_until_reported(
 
 
 def test_blocks_already_in_redis_are_not_sent_again(model_config: ModelConfig) -> None:
-    dp = ScriptedDataPlane()
-    s = make_scheduler(model_config, dp)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
     req = request(3 * BS + 40)
     assert s.codec is not None
-    dp.present = {s.codec.key(h, 0) for h in req.block_hashes[:2]}
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes[:2]}
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
     meta = s.build_connector_meta(
         _step(new=[("r1", ([1, 2, 3, 4],), 2 * BS)], sched={"r1": BS + 40})
@@ -284,11 +284,11 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
             gate.wait(5)
             return super().lookup_replies(buf, count)
 
-    dp = SlowDataPlane()
-    s = make_scheduler(model_config, dp, lookup_async=True)
+    plane = SlowDataPlane()
+    s = make_scheduler(model_config, plane, lookup_async=True)
     req = request(3 * BS + 5)
     assert s.codec is not None
-    dp.present = {s.codec.key(h, 0) for h in req.block_hashes}
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
     assert s.get_num_new_matched_tokens(req, 0) == (None, False)
     assert s.get_num_new_matched_tokens(req, 0) == (None, False)  # still running
     gate.set()
@@ -299,7 +299,7 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
     assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)  # repeatable
     # The request changed (a local prefix hit now): the old answer is not reused.
     assert s.get_num_new_matched_tokens(req, BS) == (None, False)
-    assert len(dp.calls) == 1 or dp.calls[-1] == [s.codec.key(h, 0) for h in req.block_hashes]
+    assert len(plane.calls) == 1 or plane.calls[-1] == [s.codec.key(h, 0) for h in req.block_hashes]
     s.shutdown()
 
 
@@ -309,7 +309,7 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
 def test_keys_are_built_once_per_block(
     model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from umbp_redis.dataplane import LookupEncoder
+    from umbp_redis.store.plane import LookupEncoder
 
     built: list[bytes] = []
     real = LookupEncoder.encode
@@ -319,8 +319,8 @@ def test_keys_are_built_once_per_block(
         return real(self, hash_hex)
 
     monkeypatch.setattr(LookupEncoder, "encode", counting)
-    dp = ScriptedDataPlane()
-    s = make_scheduler(model_config, dp, tp=2)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, tp=2)
     req = request(4 * BS + 5)
     req.block_hashes = req.block_hashes[:2]  # the rest arrive later
     s.get_num_new_matched_tokens(req, 0)
@@ -330,11 +330,11 @@ def test_keys_are_built_once_per_block(
     req.block_hashes = request(4 * BS + 5).block_hashes
     s.get_num_new_matched_tokens(req, 0)
     assert len(built) == 4  # only the new blocks
-    assert len(dp.calls[-1]) == 4 * 2  # two rank keys a block, all in one round trip
+    assert len(plane.calls[-1]) == 4 * 2  # two rank keys a block, all in one round trip
 
 
 def test_encoded_lookups_equal_the_reference_encoding() -> None:
-    from umbp_redis.dataplane import LookupEncoder, lookup_commands
+    from umbp_redis.store.plane import LookupEncoder, lookup_commands
 
     prefixes = [b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:", b"umbp:vllm:v1:ns:tp1:pcp0:dcp0:pp0:g0:"]
     hx = bytes(range(32)).hex().encode()
@@ -350,24 +350,24 @@ def test_encoded_lookups_equal_the_reference_encoding() -> None:
 def test_without_ttl_refresh_one_touch_per_block_checks_every_rank(
     model_config: ModelConfig,
 ) -> None:
-    dp = ScriptedDataPlane()
-    s = make_scheduler(model_config, dp, tp=2, refresh_ttl_on_lookup=False)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, tp=2, refresh_ttl_on_lookup=False)
     req = request(3 * BS + 1)
     assert s.codec is not None
-    dp.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
-    dp.present.add(s.codec.rank_keys(req.block_hashes[2], 0)[1])  # one shard of block 2
+    plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
+    plane.present.add(s.codec.rank_keys(req.block_hashes[2], 0)[1])  # one shard of block 2
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
-    assert len(dp.calls[-1]) == 6
+    assert len(plane.calls[-1]) == 6
 
 
 def test_blocks_recomputed_after_a_failed_load_are_stored_again(
     model_config: ModelConfig,
 ) -> None:
-    dp = ScriptedDataPlane()
-    s = make_scheduler(model_config, dp)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
     req = request(4 * BS + 40)
     assert s.codec is not None
-    dp.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
     assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
     blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
     s.update_state_after_alloc(req, blocks, 3 * BS)
@@ -377,7 +377,7 @@ def test_blocks_recomputed_after_a_failed_load_are_stored_again(
     )
     assert [list(b.block_ids) for b in meta.stores] == [[2, 3, 4]]
     # A load that succeeded stores nothing again.
-    s2 = make_scheduler(model_config, dp)
+    s2 = make_scheduler(model_config, plane)
     assert s2.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
     s2.update_state_after_alloc(req, blocks, 3 * BS)
     meta = s2.build_connector_meta(
@@ -390,10 +390,10 @@ def test_fail_policy_is_overridden_with_a_warning(
     model_config: ModelConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = make_vllm_config(model_config, extra={"key_namespace": "unit"})
-    assert cfg.kv_transfer_config.kv_load_failure_policy == "fail"  # vLLM's default
+    assert ktc(cfg).kv_load_failure_policy == "fail"  # vLLM's default
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
-    UMBPScheduler(cfg, kv, validate_options({}), dataplane=ScriptedDataPlane())  # type: ignore[arg-type]
-    assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+    UMBPScheduler(cfg, kv, validate_options({}), plane=ScriptedDataPlane())  # type: ignore[arg-type]
+    assert ktc(cfg).kv_load_failure_policy == "recompute"
     assert any(
         "kv_load_failure_policy" in r.getMessage() and r.levelname == "WARNING"
         for r in caplog.records
@@ -406,7 +406,7 @@ def test_weak_block_hash_is_warned_about(
     cfg = make_vllm_config(model_config, extra={"key_namespace": "unit"})
     cfg.cache_config.prefix_caching_hash_algo = "xxhash"
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
-    UMBPScheduler(cfg, kv, validate_options({}), dataplane=ScriptedDataPlane())  # type: ignore[arg-type]
+    UMBPScheduler(cfg, kv, validate_options({}), plane=ScriptedDataPlane())  # type: ignore[arg-type]
     assert any("not collision resistant" in r.getMessage() for r in caplog.records)
 
 
@@ -453,3 +453,13 @@ def test_pins_without_a_report_are_released_after_the_bound(model_config: ModelC
     s.build_connector_meta(_step())
     assert s.pinned_blocks == 0 and s.stale_pins_released == 1
     assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_workers_with_other_parallel_sizes_disable_lookups(model_config: ModelConfig) -> None:
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, tp=2)
+    s.adopt_handshake({(0, 0): UMBPHandshakeMetadata("abc", RankTopology(tp_rank=1, tp_size=2))})
+    assert s.codec is not None and s.codec.namespace == "abc"
+    s.adopt_handshake({(0, 0): UMBPHandshakeMetadata("abc", RankTopology(tp_size=1))})
+    assert s.codec is None
+    assert s.get_num_new_matched_tokens(request(600), 0) == (0, False)

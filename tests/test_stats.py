@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from umbp_redis.connector import UMBPRedisConnector
-from umbp_redis.stats import UMBPConnectorStats
-from umbp_redis.worker import WorkerStats
+from umbp_redis.engine.stats import UMBPConnectorStats
+from umbp_redis.engine.worker import WorkerStats
 
 
 def test_stats_aggregate_and_reduce() -> None:
@@ -27,7 +28,7 @@ def test_stats_aggregate_and_reduce() -> None:
 
 def test_prometheus_counters() -> None:
     reg = CollectorRegistry()
-    types = {
+    types: dict[type, Any] = {
         Counter: functools.partial(Counter, registry=reg),
         Gauge: functools.partial(Gauge, registry=reg),
         Histogram: functools.partial(Histogram, registry=reg),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kv_fixtures import attn_spec, vllm_layout_caches
@@ -12,7 +13,7 @@ from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from umbp_redis.data import UMBPNamespace, namespace_inputs
-from umbp_redis.weights import local_fingerprint, weights_fingerprint
+from umbp_redis.engine.weights import local_fingerprint, weights_fingerprint
 
 
 def rewrite_weights(model_dir: Path, seed: int) -> None:
@@ -21,7 +22,8 @@ def rewrite_weights(model_dir: Path, seed: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(dtype=torch.bfloat16)
+    model: Any = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
+    model = model.to(dtype=torch.bfloat16)
     model.save_pretrained(model_dir, safe_serialization=True)
 
 

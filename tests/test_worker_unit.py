@@ -10,15 +10,15 @@ import pytest
 import torch
 from kv_fixtures import attn_spec, vllm_layout_caches
 from layout_cases import fill_random, page_bytes
-from test_data_identity import make_vllm_config
+from test_data_identity import ktc, make_vllm_config
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from umbp_redis.config import RedisSettings, validate_options
 from umbp_redis.data import BlockLoadBatch, BlockStoreBatch, UMBPConnectorMetadata
-from umbp_redis.dataplane import RedisDataPlane
-from umbp_redis.errors import ConfigError
-from umbp_redis.worker import UMBPWorker
+from umbp_redis.engine.worker import UMBPWorker
+from umbp_redis.store.errors import ConfigError
+from umbp_redis.store.plane import RedisDataPlane
+from umbp_redis.store.settings import RedisSettings, validate_options
 
 NB = 16
 H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
@@ -34,9 +34,9 @@ def make_worker(model_config: ModelConfig, url: str, **extra) -> tuple[UMBPWorke
     kv, caches = vllm_layout_caches(
         KVCacheLayout.LBHNC, num_blocks=NB, spec=attn_spec(block_size=128)
     )
-    opts = validate_options(cfg.kv_transfer_config.kv_connector_extra_config)
+    opts = validate_options(ktc(cfg).kv_connector_extra_config)
     w = UMBPWorker(
-        cfg, kv, opts, dataplane=RedisDataPlane(RedisSettings.from_options(opts)), ranks=(0, 0, 0)
+        cfg, kv, opts, plane=RedisDataPlane(RedisSettings.from_options(opts)), ranks=(0, 0, 0)
     )
     w.register_kv_caches(caches)
     return w, caches
@@ -98,7 +98,7 @@ def test_store_then_load_into_another_engine(model_config: ModelConfig, redis_ur
     while not src.idle() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert src.staging is not None and src.staging.free_slots == src.staging.num_slots
-    assert src.stats.totals["blocks_stored"] == 2
+    assert src.stats.take()["blocks_stored"] == 2
 
     dst, dst_caches = make_worker(model_config, redis_url)
     step(
@@ -137,7 +137,7 @@ def test_full_staging_drops_stores_but_reports_the_event(
     )
     meta = w.build_worker_meta()
     assert meta is not None and 3 in meta.store_results  # the scheduler can unpin
-    assert w.stats.totals["stores_dropped"] == 2
+    assert w.stats.take()["stores_dropped"] == 2
 
 
 def test_staging_budget_below_one_object_is_a_config_error(
@@ -297,7 +297,7 @@ def test_failed_gather_drops_the_store_and_frees_staging(
     deadline = time.monotonic() + 10
     while not w.idle() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert w.stats.totals["store_failures"] == 2
+    assert w.stats.take()["store_failures"] == 2
     assert w.staging is not None and w.staging.free_slots == w.staging.num_slots
     assert redis.Redis.from_url(redis_url).dbsize() == 0
     # Either way the scheduler is told the keys failed, and unpins the blocks.

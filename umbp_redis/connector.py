@@ -1,8 +1,8 @@
 """``UMBPRedisConnector``: the vLLM v1 KV connector. It only dispatches.
 
-The scheduler half (``umbp_redis.scheduler``) decides what to load and store; the
-worker half (``umbp_redis.worker``) moves the bytes; both share the data plane
-(``umbp_redis.dataplane``). Load it with
+The scheduler half (``umbp_redis.engine.scheduler``) decides what to load and store; the
+worker half (``umbp_redis.engine.worker``) moves the bytes; both share the data plane
+(``umbp_redis.store.plane``). Load it with
 ``{"kv_connector": "UMBPRedisConnector", "kv_connector_module_path": "umbp_redis.connector",
 "kv_role": "kv_both", "kv_connector_extra_config": {"redis_url": "redis://host:6379/0"}}``.
 """
@@ -18,9 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from umbp_redis.config import validate_options
 from umbp_redis.data import UMBPConnectorMetadata
-from umbp_redis.stats import UMBPConnectorStats
+from umbp_redis.engine.stats import UMBPConnectorStats
+from umbp_redis.store.settings import validate_options
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,11 +51,11 @@ class UMBPRedisConnector(KVConnectorBase_V1):
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from umbp_redis.scheduler import UMBPScheduler
+            from umbp_redis.engine.scheduler import UMBPScheduler
 
             self._scheduler = UMBPScheduler(vllm_config, kv_cache_config, options)
         else:
-            from umbp_redis.worker import UMBPWorker
+            from umbp_redis.engine.worker import UMBPWorker
 
             self._worker = UMBPWorker(vllm_config, kv_cache_config, options)
 
@@ -126,7 +126,7 @@ class UMBPRedisConnector(KVConnectorBase_V1):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> Any:
-        from umbp_redis.stats import UMBPPromMetrics
+        from umbp_redis.engine.stats import UMBPPromMetrics
 
         return UMBPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import torch
 
-from umbp_redis.block_copy import DoneHandle
 from umbp_redis.data import (
     BlockTransferPlan,
     KVRange,
@@ -25,7 +24,8 @@ from umbp_redis.data import (
     KVRangeTemplate,
     StagingCopyPlan,
 )
-from umbp_redis.staging import StagingPool
+from umbp_redis.engine.copy.interface import DoneHandle
+from umbp_redis.engine.staging import StagingPool
 
 
 class PlanOutOfBounds(ValueError):

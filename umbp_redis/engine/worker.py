@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from umbp_redis.block_copy import BlockCopier, CopyHandle, make_block_copier
-from umbp_redis.config import RedisSettings
 from umbp_redis.data import (
     BlockIdentityCodec,
     BlockLoadBatch,
@@ -40,10 +38,13 @@ from umbp_redis.data import (
     UMBPNamespace,
     tp_replicated_group_ids,
 )
-from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus, shared_dataplane
-from umbp_redis.errors import ConfigError
-from umbp_redis.staging import StagingPool, staging_budget
-from umbp_redis.weights import weights_fingerprint
+from umbp_redis.engine.copy.factory import make_block_copier
+from umbp_redis.engine.copy.interface import BlockCopier, CopyHandle
+from umbp_redis.engine.staging import StagingPool, staging_budget
+from umbp_redis.engine.weights import weights_fingerprint
+from umbp_redis.store.errors import ConfigError
+from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus, shared_plane
+from umbp_redis.store.settings import RedisSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,14 +105,12 @@ class WorkerStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.values: dict[str, float] = dict.fromkeys(self.FIELDS, 0)
-        self.totals: dict[str, float] = dict.fromkeys(self.FIELDS, 0)
 
     def add(self, **kw: float) -> None:
         """Add to counters."""
         with self._lock:
             for k, v in kw.items():
                 self.values[k] += v
-                self.totals[k] += v
 
     def take(self) -> dict[str, float]:
         """Counters since the last call (and reset them)."""
@@ -129,7 +128,7 @@ class UMBPWorker:
         kv_cache_config: KVCacheConfig,
         options: dict[str, Any],
         *,
-        dataplane: RedisDataPlane | None = None,
+        plane: RedisDataPlane | None = None,
         ranks: tuple[int, int, int] | None = None,
     ) -> None:
         self.options = options
@@ -153,7 +152,7 @@ class UMBPWorker:
             tp_replicated_group_ids(kv_cache_config, self.topology),
         )
         self.planner = KVLayoutPlanner(kv_cache_config)
-        self.dp = dataplane or shared_dataplane(RedisSettings.from_options(options))
+        self.plane = plane or shared_plane(RedisSettings.from_options(options))
         self.stats = WorkerStats()
         self._seen_counters: dict[str, int] = {}
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load")
@@ -232,8 +231,6 @@ class UMBPWorker:
         return UMBPHandshakeMetadata(
             namespace=self.namespace.value,
             topology=self.topology,
-            layout_fingerprints={g: lay.fingerprint_hex for g, lay in self.planner.layouts.items()},
-            object_sizes={g: lay.object_size for g, lay in self.planner.layouts.items()},
         )
 
     # -- per step ---------------------------------------------------------------------
@@ -392,7 +389,7 @@ class UMBPWorker:
                     (plans[i].key, self.staging.array(slots[i])[: plans[i].object_size])
                     for i in idx
                 ]
-                res = self.dp.store(items, fp)
+                res = self.plane.store(items, fp)
                 ok = [
                     plans[i].object_size
                     for i, s in zip(idx, res, strict=True)
@@ -425,7 +422,7 @@ class UMBPWorker:
                 items = [
                     (plans[i].key, staging.array(slots[i])[: plans[i].object_size]) for i in idx
                 ]
-                for i, s in zip(idx, self.dp.load(items, fp), strict=True):
+                for i, s in zip(idx, self.plane.load(items, fp), strict=True):
                     statuses[i] = s
             with self._lock:
                 cancelled = batch.request_id in self._cancelled
@@ -438,7 +435,7 @@ class UMBPWorker:
                 # A damaged or foreign object would fail every engine until its TTL runs
                 # out; remove it so the next store replaces it.
                 log.warning("umbp-redis: %d invalid objects removed (recomputing)", len(invalid))
-                self.dp.delete(invalid)
+                self.plane.delete(invalid)
             loaded = [i for i, st in enumerate(statuses) if st is LoadStatus.LOADED]
             failed = {
                 p.block_id for i, p in enumerate(plans) if statuses[i] is not LoadStatus.LOADED
@@ -495,7 +492,7 @@ class UMBPWorker:
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call, with the data plane's refused logins/commands and
         unexpected errors (bugs, malformed replies) since then."""
-        counters = self.dp.counters() if hasattr(self.dp, "counters") else {}
+        counters = self.plane.counters() if hasattr(self.plane, "counters") else {}
         for name in ("auth_failures", "unexpected_errors"):
             now = int(counters.get(name, 0))
             delta = now - self._seen_counters.get(name, 0)

@@ -19,11 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"umbp-redis {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from umbp_redis import cli_admin, cli_bench, demo
+    from umbp_redis.ops import admin, bench, demo
 
-    cli_admin.register(sub)
+    admin.register(sub)
     demo.register(sub)
-    cli_bench.register(sub)
+    bench.register(sub)
     return parser
 
 
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0
-    from umbp_redis.errors import ConfigError
+    from umbp_redis.store.errors import ConfigError
 
     try:
         return handler(args)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from umbp_redis.errors import ConfigError
+from umbp_redis.store.errors import ConfigError
 
 
 @dataclass(frozen=True)

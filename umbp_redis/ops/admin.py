@@ -16,9 +16,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from umbp_redis.config import DEFAULT_URL, RedisSettings
-from umbp_redis.keys import _NAMESPACE_RE, namespace_pattern, parse_key
-from umbp_redis.value_format import (
+from umbp_redis.data.keys import NAMESPACE_RE, namespace_pattern, parse_key
+from umbp_redis.store.settings import DEFAULT_URL, RedisSettings
+from umbp_redis.store.value_format import (
     HEADER_SIZE,
     InvalidValue,
     checksum,
@@ -319,7 +319,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
     A namespace must be an exact name (an empty one or a glob would match others);
     both forms ask for confirmation unless ``--yes``; exit 2 on a refused argument.
     """
-    if not args.all and not _NAMESPACE_RE.match(args.namespace or ""):
+    if not args.all and not NAMESPACE_RE.match(args.namespace or ""):
         print(
             f"refusing to purge namespace {args.namespace!r}: give an exact namespace "
             "(1-64 letters, digits, '_', '.', '-'; no globs), or --all for every namespace",

@@ -26,15 +26,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from umbp_redis.config import RedisSettings
-from umbp_redis.errors import (
+from umbp_redis.store.errors import (
     RedisAuthError,
     RedisDataPlaneError,
     RedisLoadingError,
     RedisTimeoutError,
     RedisUnavailableError,
 )
-from umbp_redis.resp import ErrorReply, ReplyReader, encode_command, remaining, send_buffers
+from umbp_redis.store.resp import ErrorReply, ReplyReader, encode_command, remaining, send_buffers
+from umbp_redis.store.settings import RedisSettings
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from umbp_redis.config import RedisSettings
 from umbp_redis.data import (
     BlockIdentityCodec,
     BlockLoadBatch,
@@ -36,7 +35,8 @@ from umbp_redis.data import (
     UMBPNamespace,
     tp_replicated_group_ids,
 )
-from umbp_redis.dataplane import LookupEncoder, RedisDataPlane, shared_dataplane
+from umbp_redis.store.plane import LookupEncoder, RedisDataPlane, shared_plane
+from umbp_redis.store.settings import RedisSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,7 +84,6 @@ class _RequestState:
     tracker: RequestTracker
     local_tokens: int = 0
     hit_blocks: int = 0  # blocks [0, hit_blocks) are known to be in Redis
-    load: LoadSpec | None = None
     # Encoded lookup commands of blocks [0, len(lookup_cmds)), built once per block.
     lookup_cmds: list[bytes] = field(default_factory=list)
     codec: BlockIdentityCodec | None = None  # the codec the commands were built with
@@ -94,7 +93,6 @@ class _RequestState:
 class _PinnedEvent:
     blocks: list[Any]
     reports: int = 0
-    failed: set[str] = field(default_factory=set)
     pinned_at: float = field(default_factory=time.monotonic)
 
 
@@ -107,9 +105,8 @@ class UMBPScheduler:
         kv_cache_config: KVCacheConfig,
         options: dict[str, Any],
         *,
-        dataplane: RedisDataPlane | None = None,
+        plane: RedisDataPlane | None = None,
     ) -> None:
-        self.options = options
         self.errors = 0  # hook failures turned into misses (see _guarded)
         self._logged_errors: set[str] = set()
         ktc = vllm_config.kv_transfer_config
@@ -160,8 +157,8 @@ class UMBPScheduler:
             if configured
             else None
         )
-        self.dp = dataplane or shared_dataplane(RedisSettings.from_options(options))
-        warm_up = getattr(self.dp, "warm_up", None)
+        self.plane = plane or shared_plane(RedisSettings.from_options(options))
+        warm_up = getattr(self.plane, "warm_up", None)
         if warm_up is not None:
             warm_up()  # the lookup connection is made now, off the scheduler thread
         refresh = options.get("refresh_ttl_on_lookup", True)
@@ -174,7 +171,6 @@ class UMBPScheduler:
         self.num_workers = self.topology.num_rank_namespaces
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[BlockLoadBatch] = []
-        self.pending_cancels: list[str] = []
         self.pinned: dict[int, _PinnedEvent] = {}
         self.load_pins: dict[str, list[Any]] = {}
         self.block_pool: Any = None
@@ -187,8 +183,28 @@ class UMBPScheduler:
         self.block_pool = block_pool
 
     def adopt_handshake(self, metadata: dict[Any, Any]) -> None:
-        """Take the namespace the workers derived (they see the per-layer specs)."""
-        spaces = {m.namespace for m in metadata.values() if isinstance(m, UMBPHandshakeMetadata)}
+        """Take the namespace the workers derived (they see the per-layer specs).
+
+        Workers that disagree on the namespace, or report other parallel sizes than
+        this scheduler's (its keys would name other ranks), disable lookups.
+        """
+        reports = [m for m in metadata.values() if isinstance(m, UMBPHandshakeMetadata)]
+        spaces = {m.namespace for m in reports}
+        mine = self.topology.with_ranks(tp_rank=0, pp_rank=0, pcp_rank=0)
+        foreign = [
+            m.topology
+            for m in reports
+            if m.topology.with_ranks(tp_rank=0, pp_rank=0, pcp_rank=0) != mine
+        ]
+        if foreign:
+            log.error(
+                "umbp-redis: a worker reported parallel sizes %s, the scheduler has %s; "
+                "disabling lookups",
+                foreign[0],
+                mine,
+            )
+            self.codec = None
+            return
         if len(spaces) != 1:
             log.error("workers reported namespaces %s; disabling lookups", sorted(spaces))
             self.codec = None
@@ -280,14 +296,14 @@ class UMBPScheduler:
             entry = self._lookups.get(request.request_id)
             if entry is None or entry[0] != sig:
                 buf = b"".join(cmds)
-                fut = self._lookup_pool.submit(self.dp.lookup_replies, buf, count)
+                fut = self._lookup_pool.submit(self.plane.lookup_replies, buf, count)
                 self._lookups[request.request_id] = (sig, fut)
                 return None, False
             if not entry[1].done():
                 return None, False
             replies = entry[1].result()
         else:
-            replies = self.dp.lookup_replies(b"".join(cmds), count)
+            replies = self.plane.lookup_replies(b"".join(cmds), count)
         if replies is None or len(replies) != count:
             return 0, False
         hits = 0
@@ -339,7 +355,6 @@ class UMBPScheduler:
             return
         bs = self.block_size
         spec = LoadSpec(st.local_tokens, st.local_tokens + num_external_tokens, self.load_async)
-        st.load = spec
         first = st.local_tokens // bs
         last = (st.local_tokens + num_external_tokens) // bs
         ids = blocks.get_block_ids()
@@ -424,11 +439,6 @@ class UMBPScheduler:
             )
         for rid in preempted:
             meta.cancelled_requests.append(rid)
-            st = self.requests.get(rid)
-            if st is not None:
-                st.tracker.preempted = True
-        meta.cancelled_requests.extend(self.pending_cancels)
-        self.pending_cancels = []
         if not self.can_store or self.codec is None:
             for new in scheduler_output.scheduled_new_reqs:
                 self._tracker_blocks(new.req_id, new.block_ids, replace=True)
@@ -534,7 +544,6 @@ class UMBPScheduler:
             if ev is None:
                 continue
             ev.reports += res.finished_workers
-            ev.failed |= set(res.failed_keys)
             if ev.reports >= self.num_workers:
                 self._release(eid)
 

@@ -1,4 +1,4 @@
-"""One vLLM engine of the CPU demo (run as ``python -m umbp_redis.demo_engine SPEC.json``).
+"""One vLLM engine of the CPU demo (run as ``python -m umbp_redis.ops.demo_engine SPEC.json``).
 
 vLLM spawns its workers, which re-import the main module, so the engine lives in its
 own process behind ``if __name__ == "__main__"``.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 KEY_PREFIX = "umbp:vllm:v1"
 """First fields of every key this project writes; the ``v1`` is the key-schema version."""
 
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _KEY_RE = re.compile(
     r"^umbp:vllm:v1:(?P<ns>[A-Za-z0-9_.\-]{1,64}):tp(?P<tp>\d+|\*):pcp(?P<pcp>\d+)"
     r":dcp(?P<dcp>\d+):pp(?P<pp>\d+):g(?P<group>\d+):(?P<hash>[0-9a-f]+)$"

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from umbp_redis.block_copy import CopyBackendUnavailable
-from umbp_redis.cpu_copy import checked_groups
 from umbp_redis.data import KVRangeTemplate, StagingCopyPlan
-from umbp_redis.staging import StagingPool
+from umbp_redis.engine.copy.interface import CopyBackendUnavailable
+from umbp_redis.engine.copy.torch_copy import checked_groups
+from umbp_redis.engine.staging import StagingPool
 
 KERNEL_FILE = "block_copy.cu"
 KERNEL_NAME = "umbp_copy_chunks"
@@ -43,7 +43,9 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (entries per launch)
 
 def kernel_source() -> str:
     """The CUDA C++ source of the copy kernel shipped with the package."""
-    return resources.files("umbp_redis").joinpath(KERNEL_FILE).read_text()
+    return (
+        resources.files(__package__ or "umbp_redis.engine.copy").joinpath(KERNEL_FILE).read_text()
+    )
 
 
 def chunk_table(template: KVRangeTemplate, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:

@@ -22,8 +22,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from umbp_redis.config import RedisSettings
-from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
+from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
+from umbp_redis.store.settings import RedisSettings
 
 FINGERPRINT = b"\x42" * 16
 RUN = f"{os.getpid():x}{time.time_ns() & 0xFFFFFF:06x}"
@@ -157,7 +157,7 @@ def redispy_gbps(settings: RedisSettings, size: int, count: int, repeats: int) -
     return {"set": count * size / ts / 1e9, "get": count * size / tg / 1e9}
 
 
-def umbp_gbps(dp: RedisDataPlane, size: int, count: int, repeats: int) -> dict[str, float]:
+def umbp_gbps(plane: RedisDataPlane, size: int, count: int, repeats: int) -> dict[str, float]:
     """This project's store (staging -> Redis) and load (Redis -> staging) GB/s."""
     staging = np.random.default_rng(2).integers(0, 256, (count, size), dtype=np.uint8)
     dest = np.zeros_like(staging)
@@ -167,25 +167,27 @@ def umbp_gbps(dp: RedisDataPlane, size: int, count: int, repeats: int) -> dict[s
 
     def do_store() -> float:
         t0 = time.perf_counter()
-        st = dp.store(store_items, FINGERPRINT)
+        st = plane.store(store_items, FINGERPRINT)
         dt = time.perf_counter() - t0
         assert all(s is StoreStatus.STORED for s in st), set(st)
         return dt
 
     def do_load() -> float:
         t0 = time.perf_counter()
-        st = dp.load(load_items, FINGERPRINT)
+        st = plane.load(load_items, FINGERPRINT)
         dt = time.perf_counter() - t0
         assert all(s is LoadStatus.LOADED for s in st), set(st)
         return dt
 
     ts, tl = _best(do_store, repeats), _best(do_load, repeats)
     assert np.array_equal(staging, dest)
-    dp.delete(keys)
+    plane.delete(keys)
     return {"store": count * size / ts / 1e9, "load": count * size / tl / 1e9}
 
 
-def lookup_latency_ms(dp: RedisDataPlane, settings: RedisSettings, nkeys: int) -> dict[str, float]:
+def lookup_latency_ms(
+    plane: RedisDataPlane, settings: RedisSettings, nkeys: int
+) -> dict[str, float]:
     """p50 ms of one lookup of ``nkeys`` keys (half present), three ways."""
     r = _redispy_client(settings)
     keys = [f"umbp:vllm:v1:{NS}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(nkeys)]
@@ -197,7 +199,7 @@ def lookup_latency_ms(dp: RedisDataPlane, settings: RedisSettings, nkeys: int) -
 
     def t_umbp() -> float:
         t0 = time.perf_counter()
-        got = dp.lookup(keys, refresh_ttl=False, timeout=5.0)
+        got = plane.lookup(keys, refresh_ttl=False, timeout=5.0)
         dt = time.perf_counter() - t0
         assert got == expected
         return dt
@@ -241,7 +243,7 @@ def _dataset_memory(r: Any) -> int:
 
 
 def memory_overhead(
-    dp: RedisDataPlane, settings: RedisSettings, size: int, count: int
+    plane: RedisDataPlane, settings: RedisSettings, size: int, count: int
 ) -> dict[str, float]:
     """``used_memory`` growth per stored byte: this format, and a plain SET of the payload."""
     r = _redispy_client(settings)
@@ -258,9 +260,9 @@ def memory_overhead(
         return (after - before) / (count * size)
 
     def umbp() -> None:
-        st = dp.store([(k, staging[i]) for i, k in enumerate(keys)], FINGERPRINT)
+        st = plane.store([(k, staging[i]) for i, k in enumerate(keys)], FINGERPRINT)
         assert all(s is StoreStatus.STORED for s in st)
-        dp.pool.close()  # their query buffers are not the objects' footprint
+        plane.pool.close()  # their query buffers are not the objects' footprint
         time.sleep(0.2)
 
     def plain() -> None:
@@ -286,7 +288,7 @@ def run_dataplane_bench(
 ) -> dict[str, Any]:
     """Run every measurement and return the JSON-able result."""
     settings = RedisSettings.from_url(url)
-    dp = RedisDataPlane(settings)
+    plane = RedisDataPlane(settings)
     plain = RedisDataPlane(RedisSettings.from_url(url, checksum=False))
 
     def say(msg: str) -> None:
@@ -302,7 +304,7 @@ def run_dataplane_bench(
         rp = redispy_gbps(settings, size, count, repeats)
         say(f"[bench] {size} B values: umbp-redis, checksum on and off interleaved")
         um, un = _interleaved_best(
-            functools.partial(umbp_gbps, dp, size, count, 1),
+            functools.partial(umbp_gbps, plane, size, count, 1),
             functools.partial(umbp_gbps, plain, size, count, 1),
             repeats,
         )
@@ -322,15 +324,15 @@ def run_dataplane_bench(
     lookups = []
     for n in (1000, 8000):
         say(f"[bench] lookup of {n} keys")
-        lookups.append(lookup_latency_ms(dp, settings, n))
+        lookups.append(lookup_latency_ms(plane, settings, n))
     mem: dict[str, float] = {}
     mem_plain: dict[str, float] = {}
     for size in (65536, 2097152):
         say(f"[bench] memory footprint of {size} B objects")
-        m = memory_overhead(dp, settings, size, max(16, (64 << 20) // size))
+        m = memory_overhead(plane, settings, size, max(16, (64 << 20) // size))
         mem[str(size)] = m["umbp"]
         mem_plain[str(size)] = m["plain_set"]
-    dp.close()
+    plane.close()
     plain.close()
     r = _redispy_client(settings)
     leftover = _own_keys(r, f"umbp:vllm:v1:{NS}:*") + _own_keys(r, f"bench:{RUN}:*")

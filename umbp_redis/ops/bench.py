@@ -12,31 +12,31 @@ def register(sub: Any) -> None:
     """Add the ``bench`` subcommand and its targets to the CLI."""
     p = sub.add_parser("bench", help="run a benchmark")
     targets = p.add_subparsers(dest="bench_target", metavar="TARGET")
-    dp = targets.add_parser(
+    plane = targets.add_parser(
         "dataplane",
         help="store/load GB/s and lookup latency vs redis-benchmark and plain redis-py",
     )
-    dp.add_argument(
+    plane.add_argument(
         "--redis-url",
         default=None,
         help="server to measure (default: a private server started for the run); the "
         "benchmark writes and deletes only keys of its own run",
     )
-    dp.add_argument("--json", action="store_true", help="print one JSON object")
-    dp.add_argument(
+    plane.add_argument("--json", action="store_true", help="print one JSON object")
+    plane.add_argument(
         "--sizes", default="65536,524288,2097152", help="comma-separated value sizes in bytes"
     )
-    dp.add_argument(
+    plane.add_argument(
         "--total-mib", type=int, default=256, help="payload MiB moved per measurement (default 256)"
     )
-    dp.add_argument("--repeats", type=int, default=3, help="runs per measurement; best is kept")
-    dp.set_defaults(handler=_run_dataplane)
+    plane.add_argument("--repeats", type=int, default=3, help="runs per measurement; best is kept")
+    plane.set_defaults(handler=_run_dataplane)
     p.set_defaults(handler=lambda a: (p.print_help(), 0)[1])
 
 
 def _run_dataplane(args: argparse.Namespace) -> int:
-    from umbp_redis.bench_dataplane import format_table, run_dataplane_bench
-    from umbp_redis.embedded_redis import EmbeddedRedis
+    from umbp_redis.ops.bench_dataplane import format_table, run_dataplane_bench
+    from umbp_redis.ops.embedded_redis import EmbeddedRedis
 
     url = args.redis_url
     sizes = [int(s) for s in args.sizes.split(",") if s]

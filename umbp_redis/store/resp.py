@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from umbp_redis.errors import (
+from umbp_redis.store.errors import (
     RedisDataPlaneError,
     RedisProtocolError,
     RedisTimeoutError,

@@ -79,7 +79,7 @@ def _print_table(rows: list[tuple[str, str]]) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; exit code 0 when every block came back byte-identical."""
-    from umbp_redis.embedded_redis import EmbeddedRedis
+    from umbp_redis.ops.embedded_redis import EmbeddedRedis
 
     server = None
     url = args.redis_url
@@ -99,10 +99,10 @@ def run_demo(args: argparse.Namespace) -> int:
 def _demo(url: str, num_blocks: int, num_layers: int) -> int:
     import torch
 
-    from umbp_redis.config import RedisSettings
-    from umbp_redis.cpu_copy import CpuBlockCopier
     from umbp_redis.data import BlockIdentityCodec, KVLayoutPlanner, RankTopology
-    from umbp_redis.dataplane import LoadStatus, RedisDataPlane, StoreStatus
+    from umbp_redis.engine.copy.torch_copy import CpuBlockCopier
+    from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
+    from umbp_redis.store.settings import RedisSettings
 
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     cfg, src = _caches(num_blocks, layers)
@@ -113,7 +113,7 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
     hashes = [
         torch.randint(0, 256, (32,), dtype=torch.uint8).numpy().tobytes() for _ in range(num_blocks)
     ]
-    dp = RedisDataPlane(RedisSettings.from_url(url))
+    plane = RedisDataPlane(RedisSettings.from_url(url))
 
     planner = KVLayoutPlanner(cfg)
     bases = planner.register_kv_caches(src)
@@ -126,18 +126,18 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
         copier.gather(p, staging[i])
     rows = staging.numpy()  # one numpy view of the staging memory, sliced per block
     items = [(p.key, rows[i]) for i, p in enumerate(plans)]
-    stored = dp.store(items, layout.fingerprint)
+    stored = plane.store(items, layout.fingerprint)
     t_store = time.perf_counter() - t0
 
     planner2 = KVLayoutPlanner(cfg2)
     bases2 = planner2.register_kv_caches(dst)
     staging2 = torch.zeros_like(staging)
-    dp.ping()  # connect before timing
+    plane.ping()  # connect before timing
     plans2 = [planner2.plan_for_block(codec.key(h, 0), b, bases2) for b, h in enumerate(hashes)]
     t0 = time.perf_counter()
     rows2 = staging2.numpy()
-    hits = dp.lookup([p.key for p in plans2])
-    loaded = dp.load(
+    hits = plane.lookup([p.key for p in plans2])
+    loaded = plane.load(
         [(p.key, memoryview(rows2[i])) for i, p in enumerate(plans2)],
         planner2.layout(0).fingerprint,
     )
@@ -160,8 +160,8 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
         ("caches byte-identical", "yes" if equal else "NO"),
     ]
     _print_table(table)
-    dp.delete([p.key for p in plans])
-    dp.close()
+    plane.delete([p.key for p in plans])
+    plane.close()
     return 0 if equal else 1
 
 
@@ -175,8 +175,8 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
 
     import redis
 
-    from umbp_redis.keys import namespace_pattern
-    from umbp_redis.tiny_model import build_tiny_llama, sample_prompts
+    from umbp_redis.data.keys import namespace_pattern
+    from umbp_redis.ops.tiny_model import build_tiny_llama, sample_prompts
 
     model_dir = Path(args.model_dir or Path.home() / ".cache" / "umbp-redis" / "tiny-llama")
     print(f"building the tiny model in {model_dir} ...", flush=True)
@@ -207,7 +207,7 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
                 "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             }
             proc = subprocess.run(
-                [sys.executable, "-m", "umbp_redis.demo_engine", f"{tmp}/{phase}.spec.json"],
+                [sys.executable, "-m", "umbp_redis.ops.demo_engine", f"{tmp}/{phase}.spec.json"],
                 capture_output=True,
                 text=True,
                 env=env,

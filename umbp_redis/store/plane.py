@@ -27,23 +27,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from umbp_redis.config import RedisSettings
-from umbp_redis.connection import (
+from umbp_redis.store.connection import (
     AuthAlarm,
     ConnectionPool,
     RedisConnection,
     WarmConnection,
     refused_command,
 )
-from umbp_redis.errors import (
+from umbp_redis.store.errors import (
     RedisAuthError,
     RedisDataPlaneError,
     RedisLoadingError,
     RedisOOMError,
     RedisTimeoutError,
 )
-from umbp_redis.resp import Buffer, ErrorReply, bulk_prefix, encode_command, send_buffers
-from umbp_redis.value_format import (
+from umbp_redis.store.resp import Buffer, ErrorReply, bulk_prefix, encode_command, send_buffers
+from umbp_redis.store.settings import RedisSettings
+from umbp_redis.store.value_format import (
     HEADER_SIZE,
     InvalidValue,
     checksum,
@@ -707,10 +707,10 @@ _shared: dict[RedisSettings, RedisDataPlane] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_dataplane(settings: RedisSettings) -> RedisDataPlane:
+def shared_plane(settings: RedisSettings) -> RedisDataPlane:
     """The process's one data plane (and connection pool) for ``settings``."""
     with _shared_lock:
-        dp = _shared.get(settings)
-        if dp is None:
-            dp = _shared[settings] = RedisDataPlane(settings)
-        return dp
+        plane = _shared.get(settings)
+        if plane is None:
+            plane = _shared[settings] = RedisDataPlane(settings)
+        return plane

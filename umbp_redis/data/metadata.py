@@ -1,0 +1,76 @@
+"""Metadata crossing process boundaries (scheduler <-> workers), on vLLM's base
+classes (stand-ins where vLLM is absent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from umbp_redis.data.plans import BlockLoadBatch, BlockStoreBatch
+from umbp_redis.data.state import StoreEventResult
+from umbp_redis.data.topology import RankTopology
+
+if TYPE_CHECKING:
+    pass
+
+
+try:  # vLLM is the host program; the data model also works without it (e.g. the CLI).
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # pragma: no cover - exercised only where vLLM is absent
+    from abc import ABC
+
+    class KVConnectorHandshakeMetadata(ABC):  # type: ignore[no-redef]  # noqa: B024
+        """Stand-in for vLLM's base class when vLLM is not installed."""
+
+    class KVConnectorMetadata(ABC):  # type: ignore[no-redef]  # noqa: B024
+        """Stand-in for vLLM's base class when vLLM is not installed."""
+
+    class KVConnectorWorkerMetadata(ABC):  # type: ignore[no-redef]  # noqa: B024
+        """Stand-in for vLLM's base class when vLLM is not installed."""
+
+
+@dataclass
+class UMBPConnectorMetadata(KVConnectorMetadata):
+    """Scheduler-to-worker plans for one engine step.
+
+    ``loads``/``stores`` are the step's batches; ``cancelled_requests`` are preempted or
+    aborted requests whose pending transfers the workers drop.
+    """
+
+    loads: list[BlockLoadBatch] = field(default_factory=list)
+    stores: list[BlockStoreBatch] = field(default_factory=list)
+    cancelled_requests: list[str] = field(default_factory=list)
+    load_async: bool = True
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to do this step."""
+        return not (self.loads or self.stores or self.cancelled_requests)
+
+
+@dataclass
+class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker completions of one step, aggregated across ranks."""
+
+    store_results: dict[int, StoreEventResult] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPConnectorWorkerMetadata:
+        """Merge another rank's completions into a new object (neither input changes)."""
+        if not isinstance(other, UMBPConnectorWorkerMetadata):
+            raise TypeError(f"cannot aggregate with {type(other).__name__}")
+        merged = dict(self.store_results)
+        for eid, res in other.store_results.items():
+            merged[eid] = merged[eid].merge(res) if eid in merged else res
+        return UMBPConnectorWorkerMetadata(merged)
+
+
+@dataclass
+class UMBPHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Namespace a worker derived, reported to the scheduler at startup."""
+
+    namespace: str
+    topology: RankTopology
