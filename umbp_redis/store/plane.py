@@ -113,10 +113,6 @@ def _key_bytes(key: str | bytes) -> bytes:
     return key if isinstance(key, bytes) else key.encode()
 
 
-def _exists_cmd(k: bytes) -> bytes:
-    return b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(k), k)
-
-
 def _expire_cmd(k: bytes, ttl: bytes) -> bytes:
     return b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(ttl), ttl)
 
