@@ -161,10 +161,9 @@ class UMBPScheduler:
         warm_up = getattr(self.plane, "warm_up", None)
         if warm_up is not None:
             warm_up()  # the lookup connection is made now, off the scheduler thread
-        refresh = options.get("refresh_ttl_on_lookup", True)
-        self._refresh_ttl = bool(refresh)
-        self._ttl_arg = str(int(options.get("ttl_seconds", 86400))).encode()
-        self.report_timeout_s = float(options.get("store_report_timeout_s", 120.0))
+        self._refresh_ttl = bool(options["refresh_ttl_on_lookup"])
+        self._ttl_arg = str(int(options["ttl_seconds"])).encode()
+        self.report_timeout_s = float(options["store_report_timeout_s"])
         self.stale_pins_released = 0
         # Per block-hash length: the codec they were built for and the encoder.
         self._encoders: dict[int, tuple[BlockIdentityCodec, LookupEncoder]] = {}

@@ -143,7 +143,7 @@ class UMBPWorker:
         weights = None
         if UMBPNamespace.configured(vllm_config) is None:
             weights = weights_fingerprint(
-                vllm_config.model_config, str(options.get("weights_fingerprint", "sampled"))
+                vllm_config.model_config, str(options["weights_fingerprint"])
             )
         self.namespace = UMBPNamespace.resolve(vllm_config, kv_cache_config, weights)
         self.codec = BlockIdentityCodec(
