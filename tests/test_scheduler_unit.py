@@ -20,7 +20,10 @@ from umbp_redis.data import (
     UMBPHandshakeMetadata,
 )
 from umbp_redis.engine.scheduler import UMBPScheduler
+from umbp_redis.store.cluster import ClusterLookupEncoder
+from umbp_redis.store.plane import LookupEncoder
 from umbp_redis.store.settings import validate_options
+from umbp_redis.store.slots import key_slot
 
 BS = 128
 
@@ -50,6 +53,18 @@ class ScriptedDataPlane:
         self.present = present or set()
         self.fail = fail
         self.calls: list[list[str]] = []
+
+    lookup_mode = "standalone"
+
+    def lookup_encoder(
+        self, prefixes: list[bytes], *, refresh_ttl: bool, hash_hex_len: int
+    ) -> LookupEncoder:
+        return LookupEncoder(
+            prefixes, refresh_ttl=refresh_ttl, ttl=b"86400", hash_hex_len=hash_hex_len
+        )
+
+    def lookup_blocks(self, blocks: list[bytes], count: int) -> list[int] | None:
+        return self.lookup_replies(b"".join(blocks), count)
 
     def lookup_replies(self, buf: bytes, count: int) -> list[int] | None:
         cmds = parse_commands(buf)
@@ -343,6 +358,16 @@ def test_encoded_lookups_equal_the_reference_encoding() -> None:
         keys = [p + hx for p in prefixes]
         want, replies = lookup_commands(keys, refresh_ttl=refresh, ttl=b"3600")
         assert enc.encode(hx) == want and enc.replies == replies
+        # On a cluster each key is its own command (keys of a block live in many slots).
+        cenc = ClusterLookupEncoder(
+            prefixes, refresh_ttl=refresh, ttl=b"3600", hash_hex_len=len(hx)
+        )
+        block = cenc.encode(hx)
+        assert cenc.replies == len(keys)
+        assert list(block.cmds) == [
+            lookup_commands([k], refresh_ttl=refresh, ttl=b"3600")[0] for k in keys
+        ]
+        assert list(block.slots) == [key_slot(k) for k in keys]
     with pytest.raises(ValueError, match="expected 64"):
         enc.encode(b"ab")
 

@@ -35,7 +35,7 @@ from umbp_redis.data import (
     UMBPNamespace,
     tp_replicated_group_ids,
 )
-from umbp_redis.store.plane import LookupEncoder, RedisDataPlane, shared_plane
+from umbp_redis.store.deployment import DataPlane, shared_plane
 from umbp_redis.store.settings import RedisSettings
 
 if TYPE_CHECKING:
@@ -85,8 +85,11 @@ class _RequestState:
     local_tokens: int = 0
     hit_blocks: int = 0  # blocks [0, hit_blocks) are known to be in Redis
     # Encoded lookup commands of blocks [0, len(lookup_cmds)), built once per block.
-    lookup_cmds: list[bytes] = field(default_factory=list)
-    codec: BlockIdentityCodec | None = None  # the codec the commands were built with
+    lookup_cmds: list[Any] = field(default_factory=list)
+    # The codec and the plane's lookup mode the commands were built with.
+    codec: BlockIdentityCodec | None = None
+    lookup_mode: str = ""
+    replies_per_block: int = 1  # replies of one block's commands
 
 
 @dataclass
@@ -105,7 +108,7 @@ class UMBPScheduler:
         kv_cache_config: KVCacheConfig,
         options: dict[str, Any],
         *,
-        plane: RedisDataPlane | None = None,
+        plane: DataPlane | None = None,
     ) -> None:
         self.errors = 0  # hook failures turned into misses (see _guarded)
         self._logged_errors: set[str] = set()
@@ -157,16 +160,16 @@ class UMBPScheduler:
             if configured
             else None
         )
-        self.plane = plane or shared_plane(RedisSettings.from_options(options))
+        self.plane: DataPlane = plane or shared_plane(RedisSettings.from_options(options))
         warm_up = getattr(self.plane, "warm_up", None)
         if warm_up is not None:
             warm_up()  # the lookup connection is made now, off the scheduler thread
         self._refresh_ttl = bool(options["refresh_ttl_on_lookup"])
-        self._ttl_arg = str(int(options["ttl_seconds"])).encode()
         self.report_timeout_s = float(options["store_report_timeout_s"])
         self.stale_pins_released = 0
         # Per block-hash length: the codec they were built for and the encoder.
-        self._encoders: dict[int, tuple[BlockIdentityCodec, LookupEncoder]] = {}
+        # Per hash length: the codec and lookup mode it was built for, and the encoder.
+        self._encoders: dict[int, tuple[BlockIdentityCodec, str, Any]] = {}
         self.num_workers = self.topology.num_rank_namespaces
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[BlockLoadBatch] = []
@@ -228,13 +231,15 @@ class UMBPScheduler:
             self.requests[request.request_id] = st
         return st
 
-    def _lookup_cmds(self, st: _RequestState, upto: int) -> list[bytes]:
+    def _lookup_cmds(self, st: _RequestState, upto: int) -> list[Any]:
         """Encoded lookup commands of blocks [0, upto) (fewer if hashes run out), built
-        incrementally: each block's commands are made once for the request's lifetime."""
+        incrementally: each block's commands are made once for the request's lifetime
+        (again after a namespace change or when the plane's lookup mode changes)."""
         codec = self.codec
         assert codec is not None
-        if st.codec is not codec:  # a new namespace: nothing built before applies
-            st.lookup_cmds, st.codec = [], codec
+        mode = self.plane.lookup_mode
+        if st.codec is not codec or st.lookup_mode != mode:
+            st.lookup_cmds, st.codec, st.lookup_mode = [], codec, mode
         cmds = st.lookup_cmds
         for i in range(len(cmds), upto):
             h = self._hash_of_block(st.request, i)
@@ -242,18 +247,17 @@ class UMBPScheduler:
                 break
             hx = h.hex().encode()
             enc = self._encoders.get(len(hx))
-            if enc is None or enc[0] is not codec:
+            if enc is None or enc[0] is not codec or enc[1] != mode:
                 prefixes = [p.encode() for g in self.groups for p in codec.key_prefixes(g)]
                 enc = self._encoders[len(hx)] = (
                     codec,
-                    LookupEncoder(
-                        prefixes,
-                        refresh_ttl=self._refresh_ttl,
-                        ttl=self._ttl_arg,
-                        hash_hex_len=len(hx),
+                    mode,
+                    self.plane.lookup_encoder(
+                        prefixes, refresh_ttl=self._refresh_ttl, hash_hex_len=len(hx)
                     ),
                 )
-            cmds.append(enc[1].encode(hx))
+            cmds.append(enc[2].encode(hx))
+            st.replies_per_block = enc[2].replies
         return cmds
 
     @property
@@ -288,21 +292,20 @@ class UMBPScheduler:
             return 0, False
         n_blocks = len(cmds)
         per_block = self._keys_per_block
-        replies_per_block = per_block if self._refresh_ttl else 1
+        replies_per_block = st.replies_per_block
         count = n_blocks * replies_per_block
         if self._lookup_pool is not None:
             sig = (num_computed_tokens, n_blocks)
             entry = self._lookups.get(request.request_id)
             if entry is None or entry[0] != sig:
-                buf = b"".join(cmds)
-                fut = self._lookup_pool.submit(self.plane.lookup_replies, buf, count)
+                fut = self._lookup_pool.submit(self.plane.lookup_blocks, cmds[:n_blocks], count)
                 self._lookups[request.request_id] = (sig, fut)
                 return None, False
             if not entry[1].done():
                 return None, False
             replies = entry[1].result()
         else:
-            replies = self.plane.lookup_replies(b"".join(cmds), count)
+            replies = self.plane.lookup_blocks(cmds, count)
         if replies is None or len(replies) != count:
             return 0, False
         hits = 0

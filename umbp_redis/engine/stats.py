@@ -40,6 +40,9 @@ class UMBPConnectorStats(KVConnectorStats):
                 "unexpected_errors",
             )
         }
+        for k in ("cluster_moved", "cluster_ask", "cluster_map_refreshes", "cluster_node_failures"):
+            if d.get(k):
+                out[k] = d[k]
         out["MB_loaded"] = round(d.get("bytes_loaded", 0) / 1e6, 2)
         out["MB_stored"] = round(d.get("bytes_stored", 0) / 1e6, 2)
         if d.get("loads"):
@@ -71,6 +74,13 @@ _PROM_COUNTERS = (
     (
         "unexpected_errors",
         "Connector bugs and malformed replies turned into misses or dropped stores.",
+    ),
+    ("cluster_moved", "Redis Cluster MOVED redirects followed (the slot map was stale)."),
+    ("cluster_ask", "Redis Cluster ASK redirects followed (a slot was migrating)."),
+    ("cluster_map_refreshes", "Redis Cluster slot maps read."),
+    (
+        "cluster_node_failures",
+        "Redis Cluster masters that failed a lookup, store or load (their keys missed).",
     ),
 )
 

@@ -42,8 +42,9 @@ from umbp_redis.engine.copy.factory import make_block_copier
 from umbp_redis.engine.copy.interface import BlockCopier, CopyHandle
 from umbp_redis.engine.staging import StagingPool, staging_budget
 from umbp_redis.engine.weights import weights_fingerprint
+from umbp_redis.store.deployment import DataPlane, shared_plane
 from umbp_redis.store.errors import ConfigError
-from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus, shared_plane
+from umbp_redis.store.plane import LoadStatus, StoreStatus
 from umbp_redis.store.settings import RedisSettings
 
 if TYPE_CHECKING:
@@ -51,6 +52,16 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+
+# Data-plane counters carried into vLLM's stats (as deltas per interval).
+CARRIED_COUNTERS = (
+    "auth_failures",
+    "unexpected_errors",
+    "cluster_moved",
+    "cluster_ask",
+    "cluster_map_refreshes",
+    "cluster_node_failures",
+)
 
 
 def _live_ranks() -> tuple[int, int, int]:
@@ -128,7 +139,7 @@ class UMBPWorker:
         kv_cache_config: KVCacheConfig,
         options: dict[str, Any],
         *,
-        plane: RedisDataPlane | None = None,
+        plane: DataPlane | None = None,
         ranks: tuple[int, int, int] | None = None,
     ) -> None:
         self.options = options
@@ -152,7 +163,7 @@ class UMBPWorker:
             tp_replicated_group_ids(kv_cache_config, self.topology),
         )
         self.planner = KVLayoutPlanner(kv_cache_config)
-        self.plane = plane or shared_plane(RedisSettings.from_options(options))
+        self.plane: DataPlane = plane or shared_plane(RedisSettings.from_options(options))
         self.stats = WorkerStats()
         self._seen_counters: dict[str, int] = {}
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load")
@@ -490,10 +501,10 @@ class UMBPWorker:
         return errs
 
     def take_stats(self) -> dict[str, float]:
-        """Counters since the last call, with the data plane's refused logins/commands and
-        unexpected errors (bugs, malformed replies) since then."""
+        """Counters since the last call, with the data plane's refused logins/commands,
+        unexpected errors (bugs, malformed replies) and cluster events since then."""
         counters = self.plane.counters() if hasattr(self.plane, "counters") else {}
-        for name in ("auth_failures", "unexpected_errors"):
+        for name in CARRIED_COUNTERS:
             now = int(counters.get(name, 0))
             delta = now - self._seen_counters.get(name, 0)
             self._seen_counters[name] = now

@@ -44,9 +44,39 @@ class RedisCommandError(RedisDataPlaneError):
     """The server answered a command with an error reply (other than the above)."""
 
 
+class RedisRedirectError(RedisDataPlaneError):
+    """A cluster node answered ``MOVED`` or ``ASK``: the key's slot is served elsewhere.
+
+    ``kind`` is ``"MOVED"`` (the slot moved for good: refresh the slot map) or ``"ASK"``
+    (the slot is migrating: ask ``host:port`` once, after ``ASKING``).
+    """
+
+    def __init__(self, message: str, kind: str, slot: int, host: str, port: int) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.slot = slot
+        self.host = host
+        self.port = port
+
+
+def _redirect(message: str) -> RedisRedirectError | None:
+    """``MOVED 3999 10.0.0.1:6381`` (or ``ASK``...) parsed; None when malformed."""
+    parts = message.split(" ")
+    if len(parts) != 3:
+        return None
+    host, sep, port = parts[2].rpartition(":")
+    if not sep or not parts[1].isdigit() or not port.isdigit():
+        return None
+    return RedisRedirectError(message, parts[0], int(parts[1]), host.strip("[]"), int(port))
+
+
 def classify_error_reply(message: str) -> RedisDataPlaneError:
     """The exception type for a RESP error reply, by its leading code."""
     code = message.split(" ", 1)[0]
+    if code in ("MOVED", "ASK"):
+        redirect = _redirect(message)
+        if redirect is not None:
+            return redirect
     if code == "LOADING":
         return RedisLoadingError(message)
     if code == "OOM":

@@ -39,6 +39,7 @@ from umbp_redis.store.errors import (
     RedisDataPlaneError,
     RedisLoadingError,
     RedisOOMError,
+    RedisRedirectError,
     RedisTimeoutError,
 )
 from umbp_redis.store.resp import Buffer, ErrorReply, bulk_prefix, encode_command, send_buffers
@@ -107,6 +108,45 @@ class DataPlaneStats:
         """The counters as a dict."""
         with self._lock:
             return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def record_stores(
+    stats: DataPlaneStats,
+    items: Sequence[tuple[str | bytes, Buffer]],
+    statuses: Sequence[StoreStatus],
+) -> None:
+    """Add the outcome of one ``store`` call to ``stats``."""
+    stored = [
+        memoryview(b).nbytes
+        for (_, b), s in zip(items, statuses, strict=True)
+        if s is StoreStatus.STORED
+    ]
+    stats.add(
+        stored_objects=len(stored),
+        stored_bytes=sum(stored),
+        store_skipped=sum(s is StoreStatus.EXISTS for s in statuses),
+        store_failures=sum(s in (StoreStatus.ERROR, StoreStatus.OOM) for s in statuses),
+    )
+
+
+def record_loads(
+    stats: DataPlaneStats,
+    items: Sequence[tuple[str | bytes, Buffer]],
+    results: Sequence[LoadStatus],
+) -> None:
+    """Add the outcome of one ``load`` call to ``stats``."""
+    ok = [
+        memoryview(d).nbytes
+        for (_, d), s in zip(items, results, strict=True)
+        if s is LoadStatus.LOADED
+    ]
+    stats.add(
+        loaded_objects=len(ok),
+        loaded_bytes=sum(ok),
+        load_missing=sum(s is LoadStatus.MISSING for s in results),
+        load_invalid=sum(s is LoadStatus.INVALID for s in results),
+        load_errors=sum(s is LoadStatus.ERROR for s in results),
+    )
 
 
 def _key_bytes(key: str | bytes) -> bytes:
@@ -178,6 +218,7 @@ def lookup_commands(keys: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes) -> 
 
 
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
 _EXEC = b"*1\r\n$4\r\nEXEC\r\n"
 # A stored object's replies: MULTI, two QUEUED, then EXEC's [HSET fields added, EXPIRE 1].
 _TX_REPLY_HEAD = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n:"
@@ -258,6 +299,8 @@ def _split(n: int, parts: int) -> list[range]:
 
 class RedisDataPlane:
     """Lookups, stores and loads of KV objects against one Redis server."""
+
+    lookup_mode = "standalone"
 
     def __init__(self, settings: RedisSettings) -> None:
         self.settings = settings
@@ -369,15 +412,35 @@ class RedisDataPlane:
             return None
         return [r for r in replies if not isinstance(r, ErrorReply)]
 
+    def lookup_encoder(
+        self, prefixes: Sequence[bytes], *, refresh_ttl: bool, hash_hex_len: int
+    ) -> LookupEncoder:
+        """The encoder of one block's lookup commands, for ``lookup_blocks``."""
+        return LookupEncoder(
+            prefixes, refresh_ttl=refresh_ttl, ttl=self._ttl, hash_hex_len=hash_hex_len
+        )
+
+    def lookup_blocks(self, blocks: Sequence[bytes], count: int) -> list[int] | None:
+        """Replies to blocks encoded by ``lookup_encoder`` (``count`` in all), in order;
+        None when unknown (as ``lookup_replies``)."""
+        return self.lookup_replies(b"".join(blocks), count)
+
     # -- shared round trips ------------------------------------------------------------
 
     def _int_round_trip(
-        self, buf: bytes, count: int, *, timeout: float | None = None
+        self, buf: bytes, count: int, *, timeout: float | None = None, ok_replies: bool = False
     ) -> list[int | ErrorReply]:
-        """Send one pre-encoded buffer of ``count`` commands and read their integer replies."""
+        """Send one pre-encoded buffer of ``count`` commands and read their integer replies
+        (with ``ok_replies``, any reply: ``+OK`` of ``ASKING`` then reads as 1)."""
         with self.pool.connection(timeout=timeout) as conn:
             send_buffers(conn.sock, [buf], use_sendmsg=False)
-            return conn.reader.read_int_replies(count)
+            if not ok_replies:
+                return conn.reader.read_int_replies(count)
+            out: list[int | ErrorReply] = []
+            for _ in range(count):
+                r = conn.reader.read_reply()
+                out.append(r if isinstance(r, int | ErrorReply) else 1)
+            return out
 
     def _command(self, *args: bytes | str | int) -> Any:
         """One small command and its reply (raises ``RedisDataPlaneError``)."""
@@ -452,11 +515,31 @@ class RedisDataPlane:
         """
         if not items:
             return []
+        raw = self.store_raw(
+            items, fingerprint, skip_existing=skip_existing, ttl_seconds=ttl_seconds
+        )
+        done = [StoreStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
+        record_stores(self.stats, items, done)
+        return done
+
+    def store_raw(
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        fingerprint: bytes,
+        *,
+        skip_existing: bool = False,
+        ttl_seconds: int | None = None,
+        asking: bool = False,
+    ) -> list[StoreStatus | RedisRedirectError]:
+        """``store`` without counting, a ``MOVED``/``ASK`` answer returned as its error
+        (for the cluster client); with ``asking`` each object is preceded by ``ASKING``."""
+        if not items:
+            return []
         ttl = str(int(ttl_seconds)).encode() if ttl_seconds else self._ttl
-        statuses: list[StoreStatus | None] = [None] * len(items)
+        statuses: list[StoreStatus | RedisRedirectError | None] = [None] * len(items)
         todo = list(range(len(items)))
         if skip_existing:
-            present = self._expire_existing([items[i][0] for i in todo], ttl)
+            present = self._expire_existing([items[i][0] for i in todo], ttl, asking)
             if present is None:
                 return [StoreStatus.ERROR] * len(items)
             for i, p in zip(list(todo), present, strict=True):
@@ -466,31 +549,29 @@ class RedisDataPlane:
         views = [memoryview(items[i][1]).cast("B") for i in todo]
         total = sum(v.nbytes for v in views)
         sub = [(_key_bytes(items[i][0]), views[j]) for j, i in enumerate(todo)]
+        error: StoreStatus | RedisRedirectError = StoreStatus.ERROR
         results = self._fan_out(
             len(sub),
             total,
-            lambda rng: self._store_range(sub, rng, fingerprint, ttl),
-            StoreStatus.ERROR,
+            lambda rng: self._store_range(sub, rng, fingerprint, ttl, asking),
+            error,
         )
         for i, st in zip(todo, results, strict=True):
             statuses[i] = st
-        done = [s for s in statuses if s is not None]
-        stored = [v.nbytes for v, s in zip(views, results, strict=True) if s is StoreStatus.STORED]
-        self.stats.add(
-            stored_objects=len(stored),
-            stored_bytes=sum(stored),
-            store_skipped=sum(s is StoreStatus.EXISTS for s in done),
-            store_failures=sum(s in (StoreStatus.ERROR, StoreStatus.OOM) for s in done),
-        )
-        return done
+        return [s for s in statuses if s is not None]
 
-    def _expire_existing(self, keys: Sequence[str | bytes], ttl: bytes) -> list[bool] | None:
-        buf = b"".join(_expire_cmd(_key_bytes(k), ttl) for k in keys)
+    def _expire_existing(
+        self, keys: Sequence[str | bytes], ttl: bytes, asking: bool = False
+    ) -> list[bool] | None:
+        pre = _ASKING if asking else b""
+        buf = b"".join(pre + _expire_cmd(_key_bytes(k), ttl) for k in keys)
         try:
-            replies = self._int_round_trip(buf, len(keys))
+            replies = self._int_round_trip(buf, len(keys) * (2 if asking else 1), ok_replies=asking)
         except RedisDataPlaneError as e:
             log.debug("existence check before store failed: %s", e)
             return None
+        if asking:
+            replies = replies[1::2]
         if any(isinstance(r, ErrorReply) for r in replies):
             return None
         return [r == 1 for r in replies]
@@ -501,15 +582,18 @@ class RedisDataPlane:
         rng: range,
         fingerprint: bytes,
         ttl: bytes,
-    ) -> list[StoreStatus]:
+        asking: bool = False,
+    ) -> list[StoreStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
         groups = _groups([sub[i][1].nbytes for i in idx], window)
         with self.pool.connection() as conn:
             return self._windowed(
                 groups,
-                lambda g: self._send_stores(conn, [sub[idx[j]] for j in g], fingerprint, ttl),
-                lambda g: self._read_stores(conn, len(g)),
+                lambda g: self._send_stores(
+                    conn, [sub[idx[j]] for j in g], fingerprint, ttl, asking
+                ),
+                lambda g: self._read_stores(conn, len(g), asking),
             )
 
     def _send_stores(
@@ -518,6 +602,7 @@ class RedisDataPlane:
         group: Sequence[tuple[bytes, memoryview]],
         fingerprint: bytes,
         ttl: bytes,
+        asking: bool = False,
     ) -> None:
         # Each object is MULTI, HSET, EXPIRE, EXEC: the server applies the value and its
         # TTL together or not at all (a connection lost mid-batch leaves no key without
@@ -525,11 +610,12 @@ class RedisDataPlane:
         bufs: list[Buffer] = []
         with_checksum = self.settings.checksum
         pending_small = bytearray()
+        multi = _ASKING + _MULTI if asking else _MULTI
         for key, payload in group:
             field_h, body_len = encode_header(
                 fingerprint, payload, key, with_checksum=with_checksum
             )
-            pending_small += _MULTI + (
+            pending_small += multi + (
                 b"*6\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n$1\r\nb\r\n%s"
                 % (len(key), key, bulk_prefix(len(field_h)), field_h, bulk_prefix(body_len))
             )
@@ -539,11 +625,15 @@ class RedisDataPlane:
         bufs.append(bytes(pending_small))
         send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
 
-    def _read_stores(self, conn: RedisConnection, n: int) -> list[StoreStatus]:
+    def _read_stores(
+        self, conn: RedisConnection, n: int, asking: bool = False
+    ) -> list[StoreStatus | RedisRedirectError]:
         reader = conn.reader
-        out = []
+        out: list[StoreStatus | RedisRedirectError] = []
         loading: RedisLoadingError | None = None
         for _ in range(n):
+            if asking:
+                reader.read_reply()  # ASKING's +OK (an error there shows again below)
             head = reader.peek_buffered(_TX_REPLY_LEN)  # the usual reply, if buffered
             if (
                 head is not None
@@ -562,7 +652,7 @@ class RedisDataPlane:
             status, err = _transaction_status(*replies)
             if isinstance(err, RedisLoadingError):
                 loading = err
-            out.append(status)
+            out.append(err if isinstance(err, RedisRedirectError) else status)
         if loading is not None:
             raise loading
         return out
@@ -580,52 +670,77 @@ class RedisDataPlane:
         """
         if not items:
             return []
+        raw = self.load_raw(items, fingerprint)
+        results = [LoadStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
+        record_loads(self.stats, items, results)
+        return results
+
+    def load_raw(
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        fingerprint: bytes,
+        *,
+        asking: bool = False,
+    ) -> list[LoadStatus | RedisRedirectError]:
+        """``load`` without counting, a ``MOVED``/``ASK`` answer returned as its error
+        (for the cluster client); with ``asking`` each ``HMGET`` follows an ``ASKING``."""
+        if not items:
+            return []
         dests = [memoryview(d).cast("B") for _, d in items]
         sub = [(_key_bytes(k), dests[i]) for i, (k, _) in enumerate(items)]
         total = sum(d.nbytes for d in dests)
-        results = self._fan_out(
+        error: LoadStatus | RedisRedirectError = LoadStatus.ERROR
+        return self._fan_out(
             len(sub),
             total,
-            lambda rng: self._load_range(sub, rng, fingerprint),
-            LoadStatus.ERROR,
+            lambda rng: self._load_range(sub, rng, fingerprint, asking),
+            error,
         )
-        ok = [d.nbytes for d, s in zip(dests, results, strict=True) if s is LoadStatus.LOADED]
-        self.stats.add(
-            loaded_objects=len(ok),
-            loaded_bytes=sum(ok),
-            load_missing=sum(s is LoadStatus.MISSING for s in results),
-            load_invalid=sum(s is LoadStatus.INVALID for s in results),
-            load_errors=sum(s is LoadStatus.ERROR for s in results),
-        )
-        return results
 
     def _load_range(
-        self, sub: Sequence[tuple[bytes, memoryview]], rng: range, fingerprint: bytes
-    ) -> list[LoadStatus]:
+        self,
+        sub: Sequence[tuple[bytes, memoryview]],
+        rng: range,
+        fingerprint: bytes,
+        asking: bool = False,
+    ) -> list[LoadStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
         groups = _groups([sub[i][1].nbytes + 128 for i in idx], window)
+        pre = _ASKING if asking else b""
         with self.pool.connection() as conn:
             return self._windowed(
                 groups,
                 lambda g: send_buffers(
-                    conn.sock, [b"".join(_hmget_cmd(sub[idx[j]][0]) for j in g)], use_sendmsg=False
+                    conn.sock,
+                    [b"".join(pre + _hmget_cmd(sub[idx[j]][0]) for j in g)],
+                    use_sendmsg=False,
                 ),
                 lambda g: [
-                    self._read_load(conn, sub[idx[j]][0], sub[idx[j]][1], fingerprint) for j in g
+                    self._read_load(conn, sub[idx[j]][0], sub[idx[j]][1], fingerprint, asking)
+                    for j in g
                 ],
             )
 
     def _read_load(
-        self, conn: RedisConnection, key: bytes, dest: memoryview, fingerprint: bytes
-    ) -> LoadStatus:
+        self,
+        conn: RedisConnection,
+        key: bytes,
+        dest: memoryview,
+        fingerprint: bytes,
+        asking: bool = False,
+    ) -> LoadStatus | RedisRedirectError:
         r = conn.reader
+        if asking:
+            r.read_reply()  # ASKING's +OK
         n = r.read_array_header()
         if isinstance(n, ErrorReply):
             # MOVED, ASK, READONLY, NOPERM, WRONGTYPE...: the server did not hand over
             # bytes, so nothing is known about the value: an error, never "invalid".
             if isinstance(n.exc, RedisLoadingError):
                 raise n.exc
+            if isinstance(n.exc, RedisRedirectError):
+                return n.exc
             self._note_refusals([n], "HMGET")
             return LoadStatus.ERROR
         if n != 2:
@@ -697,16 +812,3 @@ class RedisDataPlane:
         self._executor.shutdown(wait=True)
         self.lookup_conn.close()
         self.pool.close()
-
-
-_shared: dict[RedisSettings, RedisDataPlane] = {}
-_shared_lock = threading.Lock()
-
-
-def shared_plane(settings: RedisSettings) -> RedisDataPlane:
-    """The process's one data plane (and connection pool) for ``settings``."""
-    with _shared_lock:
-        plane = _shared.get(settings)
-        if plane is None:
-            plane = _shared[settings] = RedisDataPlane(settings)
-        return plane

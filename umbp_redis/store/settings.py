@@ -124,6 +124,30 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0.0,
     ),
     Option(
+        "cluster",
+        (str, bool),
+        "auto",
+        "Whether redis_url names a Redis Cluster node: auto (ask the server with INFO "
+        "cluster at startup), true or false. On a cluster keys spread over every master "
+        "and the database must be 0.",
+        choices=("auto", True, False, "true", "false"),
+    ),
+    Option(
+        "cluster_seed_nodes",
+        (list, type(None)),
+        None,
+        'More cluster nodes ("host:port" strings) to read the slot map from when the '
+        "node of redis_url is down; same credentials and TLS as redis_url.",
+    ),
+    Option(
+        "cluster_refresh_s",
+        (int, float),
+        30.0,
+        "Cluster slot map re-read at least this often (also at once, in the background, "
+        "after MOVED, CLUSTERDOWN or a failed node).",
+        minimum=0.1,
+    ),
+    Option(
         "key_namespace",
         (str, type(None)),
         None,
@@ -267,6 +291,9 @@ class RedisSettings:
     refresh_ttl_on_lookup: bool = OPTIONS_BY_NAME["refresh_ttl_on_lookup"].default
     checksum: bool = OPTIONS_BY_NAME["checksum"].default
     fail_fast_s: float = OPTIONS_BY_NAME["fail_fast_s"].default
+    cluster: str = "auto"  # "auto", "on" or "off"
+    cluster_seed_nodes: tuple[tuple[str, int], ...] = ()
+    cluster_refresh_s: float = OPTIONS_BY_NAME["cluster_refresh_s"].default
 
     @property
     def tls(self) -> bool:
@@ -304,7 +331,23 @@ class RedisSettings:
         if password is None and os.environ.get("UMBP_REDIS_PASSWORD"):
             password = os.environ["UMBP_REDIS_PASSWORD"]
         names = {f.name for f in dataclasses.fields(cls)}
-        rest = {k: v for k, v in opts.items() if k in names and k not in ("username", "password")}
+        special = ("username", "password", "cluster", "cluster_seed_nodes")
+        rest = {k: v for k, v in opts.items() if k in names and k not in special}
+        cluster = {True: "on", "true": "on", False: "off", "false": "off"}.get(
+            opts["cluster"], "auto"
+        )
+        seeds = parse_seed_nodes(opts["cluster_seed_nodes"])
+        if cluster == "on" and parsed.db != 0:
+            raise ConfigError(
+                f"kv_connector_extra_config['redis_url'] selects database {parsed.db}, but "
+                "kv_connector_extra_config['cluster'] is true and Redis Cluster has only "
+                "database 0: use .../0"
+            )
+        if cluster == "on" and parsed.scheme == "unix":
+            raise ConfigError(
+                "kv_connector_extra_config['cluster'] is true but redis_url is a unix socket; "
+                "a cluster is reached over TCP (redis:// or rediss://)"
+            )
         return cls(
             scheme=parsed.scheme,
             host=parsed.host,
@@ -313,8 +356,14 @@ class RedisSettings:
             db=parsed.db,
             username=username,
             password=password,
+            cluster=cluster,
+            cluster_seed_nodes=seeds,
             **rest,
         )
+
+    def for_node(self, host: str, port: int) -> RedisSettings:
+        """The same credentials, TLS and timeouts for another node of a cluster (db 0)."""
+        return dataclasses.replace(self, scheme=self.scheme, host=host, port=port, db=0)
 
     def redispy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``redis.Redis`` reaching the same server as this client."""
@@ -394,6 +443,21 @@ def parse_redis_url(url: str) -> ParsedURL:
             "redis://[[user]:password@]host:port/db, rediss://... or unix:///path"
         ) from None
     return ParsedURL(scheme, host, port, path, db, username or None, password or None)
+
+
+def parse_seed_nodes(value: list[Any] | None) -> tuple[tuple[str, int], ...]:
+    """``["host:port", ...]`` as (host, port) pairs; ``ConfigError`` naming
+    ``cluster_seed_nodes`` for anything else."""
+    out: list[tuple[str, int]] = []
+    for item in value or []:
+        host, sep, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                "kv_connector_extra_config['cluster_seed_nodes'] must be a list of "
+                f'"host:port" strings, got {item!r}'
+            )
+        out.append((host.strip("[]"), int(port)))
+    return tuple(out)
 
 
 def read_password_file(path: str) -> str:

@@ -1,0 +1,443 @@
+"""The data plane against real Redis Clusters (3 masters + 3 replicas on loopback)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+from typed_redis import raw
+
+from umbp_redis.ops.embedded_cluster import EmbeddedCluster
+from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.store.cluster import ClusterDataPlane, ClusterLookupEncoder
+from umbp_redis.store.deployment import PendingPlane, open_plane
+from umbp_redis.store.errors import ConfigError
+from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
+from umbp_redis.store.settings import RedisSettings
+from umbp_redis.store.slots import SLOTS, key_slot, parse_cluster_shards, parse_cluster_slots
+
+FP = b"\x05" * 16
+SIZE = 4096
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[EmbeddedCluster]:
+    """One 3-master, 3-replica cluster for the tests that do not break it."""
+    with EmbeddedCluster() as c:
+        yield c
+
+
+@pytest.fixture
+def clean_cluster(cluster: EmbeddedCluster) -> EmbeddedCluster:
+    for n in cluster.current_masters():
+        c = cluster.client(n)
+        c.flushall()
+        c.close()
+    return cluster
+
+
+def cluster_plane(url: str, **kw) -> ClusterDataPlane:  # type: ignore[no-untyped-def]
+    plane = open_plane(RedisSettings.from_url(url, **kw))
+    assert isinstance(plane, ClusterDataPlane)
+    return plane
+
+
+def keys_for(n: int, tag: str = "c") -> list[bytes]:
+    return [f"umbp:vllm:v1:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}".encode() for i in range(n)]
+
+
+def payloads(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, SIZE), dtype=np.uint8)
+
+
+def key_in_slot(slot: int, tag: str = "s") -> bytes:
+    for i in range(1_000_000):
+        k = f"umbp:vllm:v1:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}".encode()
+        if key_slot(k) == slot:
+            return k
+    raise AssertionError("no key found")
+
+
+# --- slots and maps -------------------------------------------------------------------
+
+
+def test_key_slot_is_the_servers(cluster: EmbeddedCluster) -> None:
+    c = cluster.client(cluster.masters[0])
+    rng = random.Random(3)
+    keys = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))) for _ in range(300)]
+    keys += [b"{user1000}.following", b"foo{}{bar}", b"foo{{bar}}zap", b"{}x", b"a{b}c{d}"]
+    for k in keys:
+        assert key_slot(k) == c.execute_command("CLUSTER", "KEYSLOT", k), k
+    c.close()
+
+
+def test_slot_map_read_from_the_cluster_matches_cluster_slots(cluster: EmbeddedCluster) -> None:
+    plane = cluster_plane(cluster.url)
+    m = plane.slot_map
+    assert m is not None and m.covered == SLOTS and len(m.masters) == 3
+    assert all(len(r) == 1 for r in m.replicas)
+    c = cluster.client(cluster.masters[1])
+    for lo, hi, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+        for s in (lo, (lo + hi) // 2, hi):
+            assert m.node_of(s) == (master[0].decode(), master[1])
+    c.close()
+    plane.close()
+
+
+def test_map_parsers_handle_unknown_endpoints_and_failed_nodes() -> None:
+    shards = [
+        [
+            b"slots",
+            [0, 99],
+            b"nodes",
+            [
+                [
+                    b"id",
+                    b"a",
+                    b"port",
+                    7000,
+                    b"ip",
+                    b"10.0.0.1",
+                    b"endpoint",
+                    b"?",
+                    b"role",
+                    b"master",
+                    b"health",
+                    b"online",
+                ],
+                [
+                    b"id",
+                    b"b",
+                    b"port",
+                    7003,
+                    b"ip",
+                    b"10.0.0.4",
+                    b"endpoint",
+                    b"10.0.0.4",
+                    b"role",
+                    b"replica",
+                    b"health",
+                    b"online",
+                ],
+            ],
+        ],
+        [
+            b"slots",
+            [100, 16383],
+            b"nodes",
+            [
+                [
+                    b"id",
+                    b"c",
+                    b"port",
+                    7001,
+                    b"endpoint",
+                    b"",
+                    b"role",
+                    b"master",
+                    b"health",
+                    b"online",
+                ],
+            ],
+        ],
+        [  # a shard whose master failed: its slots are served by nobody
+            b"slots",
+            [],
+            b"nodes",
+            [
+                [
+                    b"id",
+                    b"d",
+                    b"port",
+                    7002,
+                    b"endpoint",
+                    b"10.0.0.3",
+                    b"role",
+                    b"master",
+                    b"health",
+                    b"fail",
+                ]
+            ],
+        ],
+    ]
+    m = parse_cluster_shards(shards, "seed-host")
+    assert m.node_of(0) == ("10.0.0.1", 7000)  # "?" falls back to the IP
+    assert m.node_of(100) == ("seed-host", 7001)  # empty: the node we asked
+    assert m.replicas[0] == (("10.0.0.4", 7003),)
+    assert m.covered == SLOTS and len(m.masters) == 2
+    slots = [[0, 8191, [None, 7000, b"id"]], [8192, 16000, [b"h2", 7001, b"id2"], [b"h3", 7004]]]
+    m2 = parse_cluster_slots(slots, "asked")
+    assert m2.node_of(5) == ("asked", 7000)
+    assert m2.node_of(16000) == ("h2", 7001) and m2.node_of(16001) is None
+    assert m2.covered == 16001
+
+
+# --- data path --------------------------------------------------------------------------
+
+
+def test_keys_spread_over_every_master_and_results_equal_standalone(
+    clean_cluster: EmbeddedCluster, redis_url: str
+) -> None:
+    plane = cluster_plane(clean_cluster.url)
+    single = RedisDataPlane(RedisSettings.from_url(redis_url))
+    keys = keys_for(90)
+    data = payloads(90)
+    for p in (plane, single):
+        items = [(k, data[i]) for i, k in enumerate(keys[:60])]
+        assert p.store(items, FP) == [StoreStatus.STORED] * 60
+    sizes = []
+    for n in clean_cluster.current_masters():
+        c = clean_cluster.client(n)
+        sizes.append(c.dbsize())
+        c.close()
+    assert len(sizes) == 3 and all(s >= 8 for s in sizes) and sum(sizes) == 60
+    # One invalid value (another key's bytes) on both deployments.
+    rc = clean_cluster.cluster_client()
+    rs = redis.Redis.from_url(redis_url)
+    for r in (rc, rs):
+        r.hset(keys[1], "b", raw(r.hget(keys[2], "b")))
+    rc.close()
+    for p in (plane, single):
+        out = np.zeros_like(data)
+        res = p.load([(k, out[i]) for i, k in enumerate(keys)], FP)
+        assert res[1] is LoadStatus.INVALID
+        assert res[60:] == [LoadStatus.MISSING] * 30
+        assert all(res[i] is LoadStatus.LOADED for i in range(60) if i != 1)
+        assert np.array_equal(out[2:60], data[2:60])
+    assert plane.lookup(keys) == single.lookup(keys) == [i < 60 for i in range(90)]
+    assert plane.lookup(keys, refresh_ttl=False) == [i < 60 for i in range(90)]
+    assert plane.delete(keys) == single.delete(keys) == 60
+    assert plane.lookup(keys) == [False] * 90
+    assert plane.counters()["cluster_node_failures"] == 0
+    plane.close()
+    single.close()
+
+
+def test_block_lookups_cover_every_rank_key_in_one_call(clean_cluster: EmbeddedCluster) -> None:
+    plane = cluster_plane(clean_cluster.url)
+    prefixes = [f"umbp:vllm:v1:ns:tp{r}:pcp0:dcp0:pp0:g0:".encode() for r in range(4)]
+    enc = plane.lookup_encoder(prefixes, refresh_ttl=True, hash_hex_len=64)
+    assert isinstance(enc, ClusterLookupEncoder) and enc.replies == 4
+    hashes = [f"{i:064x}".encode() for i in range(50)]
+    # Blocks 0-19 complete, block 20 lacks rank 3's key.
+    rc = clean_cluster.cluster_client()
+    for i in range(21):
+        for r, p in enumerate(prefixes):
+            if i < 20 or r < 3:
+                rc.set(p + hashes[i], b"x")
+    blocks = [enc.encode(h) for h in hashes]
+    assert len({n for b in blocks for n in b.slots}) > 50  # keys of one block spread out
+    replies = plane.lookup_blocks(blocks, 200)
+    assert replies is not None
+    complete = [sum(replies[4 * i : 4 * i + 4]) == 4 for i in range(50)]
+    assert complete == [i < 20 for i in range(50)]
+    assert rc.ttl(prefixes[0] + hashes[0]) > 0  # EXPIRE re-armed (set) the TTL on the master
+    rc.close()
+    plane.close()
+
+
+def test_stale_map_follows_moved(clean_cluster: EmbeddedCluster) -> None:
+    plane = cluster_plane(clean_cluster.url)
+    m = plane.slot_map
+    assert m is not None
+    slot = 5  # served by the first master
+    src = m.node_of(slot)
+    dst = next(a for a in m.masters if a != src)
+    assert src is not None
+    clients = [clean_cluster.client(n) for n in clean_cluster.current_masters()]
+    dst_id = redis.Redis(host=dst[0], port=dst[1]).execute_command("CLUSTER", "MYID").decode()
+    for c in clients:  # the slot is empty: hand it over at once
+        c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    key = key_in_slot(slot)
+    data = payloads(1)
+    try:
+        assert plane.store([(key, data[0])], FP) == [StoreStatus.STORED]
+        assert plane.counters()["cluster_moved"] >= 1
+        assert redis.Redis(host=dst[0], port=dst[1]).exists(key) == 1
+        out = np.zeros_like(data)
+        assert plane.load([(key, out[0])], FP) == [LoadStatus.LOADED]
+        assert np.array_equal(out, data)
+        deadline = time.monotonic() + 5
+        while (plane.slot_map is None or plane.slot_map.node_of(slot) != dst) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert plane.slot_map is not None and plane.slot_map.node_of(slot) == dst
+    finally:
+        src_id = redis.Redis(host=src[0], port=src[1]).execute_command("CLUSTER", "MYID")
+        redis.Redis(host=dst[0], port=dst[1]).delete(key)
+        for c in clients:
+            c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", src_id.decode())
+            c.close()
+        plane.close()
+
+
+def test_migrating_slot_follows_ask(clean_cluster: EmbeddedCluster) -> None:
+    plane = cluster_plane(clean_cluster.url)
+    m = plane.slot_map
+    assert m is not None
+    slot = 6
+    src = m.node_of(slot)
+    dst = next(a for a in m.masters if a != src)
+    assert src is not None and src != dst
+    rsrc = redis.Redis(host=src[0], port=src[1])
+    rdst = redis.Redis(host=dst[0], port=dst[1])
+    src_id = rsrc.execute_command("CLUSTER", "MYID").decode()
+    dst_id = rdst.execute_command("CLUSTER", "MYID").decode()
+    rdst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    rsrc.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    key = key_in_slot(slot, "ask")
+    data = payloads(1, seed=4)
+    try:
+        # The key is not on the source: the source answers ASK and the target takes it.
+        assert plane.store([(key, data[0])], FP) == [StoreStatus.STORED]
+        assert plane.counters()["cluster_ask"] >= 1
+        assert rsrc.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+        assert rdst.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 1
+        out = np.zeros_like(data)
+        assert plane.load([(key, out[0])], FP) == [LoadStatus.LOADED]
+        assert np.array_equal(out, data)
+        assert plane.counters()["cluster_ask"] >= 2
+        assert plane.slot_map is not None and plane.slot_map.node_of(slot) == src  # not moved
+    finally:
+        for c in clean_cluster.current_masters():
+            r = clean_cluster.client(c)
+            r.execute_command("CLUSTER", "SETSLOT", slot, "NODE", src_id)
+            r.close()
+        rdst.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+        rsrc.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+        plane.close()
+
+
+def test_database_other_than_zero_on_a_cluster_is_a_startup_error(
+    cluster: EmbeddedCluster,
+) -> None:
+    url = cluster.url.rsplit("/", 1)[0] + "/2"
+    with pytest.raises(ConfigError, match="redis_url.*database 2"):
+        open_plane(RedisSettings.from_url(url))
+    with pytest.raises(ConfigError, match="cluster"):
+        RedisSettings.from_url(url, cluster=True)
+    with pytest.raises(ConfigError, match="cluster_seed_nodes"):
+        RedisSettings.from_url(cluster.url, cluster_seed_nodes=["nohost"])
+    with pytest.raises(ConfigError, match="'cluster'"):
+        RedisSettings.from_url(cluster.url, cluster="maybe")
+
+
+def test_auto_detection_and_a_server_that_comes_later(
+    cluster: EmbeddedCluster, redis_url: str
+) -> None:
+    assert isinstance(open_plane(RedisSettings.from_url(redis_url)), RedisDataPlane)
+    assert isinstance(open_plane(RedisSettings.from_url(cluster.url)), ClusterDataPlane)
+    plane = open_plane(RedisSettings.from_url(cluster.url, cluster=False))
+    assert isinstance(plane, RedisDataPlane)
+    plane.close()
+    port = free_port()
+    pending = open_plane(
+        RedisSettings.from_url(f"redis://127.0.0.1:{port}/0", connect_timeout_s=0.2)
+    )
+    assert isinstance(pending, PendingPlane) and pending.lookup_mode == "pending"
+    assert pending.store([(b"k", b"v" * 8)], FP) == [StoreStatus.ERROR]
+    with EmbeddedRedis(port=port):
+        deadline = time.monotonic() + 5
+        while pending.inner is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pending.lookup_mode == "standalone"
+        assert pending.store([(b"k", b"v" * 8)], FP) == [StoreStatus.STORED]
+    pending.close()
+
+
+# --- failures ---------------------------------------------------------------------------
+
+
+def _check_loop_step(
+    plane: ClusterDataPlane, keys: list[bytes], data: np.ndarray, stats: dict[str, float]
+) -> tuple[int, int]:
+    """One lookup, store and load round; returns (stored, loaded) and checks bytes."""
+    t0 = time.monotonic()
+    found = plane.lookup(keys)
+    stats["lookup_max"] = max(stats["lookup_max"], time.monotonic() - t0)
+    assert found is not None
+    t0 = time.monotonic()
+    st = plane.store([(k, data[i]) for i, k in enumerate(keys)], FP)
+    stats["store_max"] = max(stats["store_max"], time.monotonic() - t0)
+    out = np.zeros_like(data)
+    t0 = time.monotonic()
+    res = plane.load([(k, out[i]) for i, k in enumerate(keys)], FP)
+    stats["load_max"] = max(stats["load_max"], time.monotonic() - t0)
+    for i, r in enumerate(res):
+        if r is LoadStatus.LOADED:
+            assert np.array_equal(out[i], data[i])  # never a wrong byte
+        else:
+            assert r in (LoadStatus.MISSING, LoadStatus.ERROR)
+    return sum(s is StoreStatus.STORED for s in st), sum(r is LoadStatus.LOADED for r in res)
+
+
+def test_master_killed_during_lookup_store_load_loop() -> None:
+    with EmbeddedCluster(node_timeout_ms=1000) as cl:
+        plane = cluster_plane(
+            cl.url, op_timeout_s=1.0, lookup_timeout_s=0.25, fail_fast_s=0.5, connect_timeout_s=0.5
+        )
+        keys = keys_for(48, "kill")
+        data = payloads(48, seed=9)
+        stats = {"lookup_max": 0.0, "store_max": 0.0, "load_max": 0.0}
+        assert _check_loop_step(plane, keys, data, stats) == (48, 48)
+        victim = cl.masters[0]
+        victim.kill()
+        killed_at = time.monotonic()
+        partial = full = None
+        while time.monotonic() - killed_at < 30:
+            stored, loaded = _check_loop_step(plane, keys, data, stats)
+            if loaded < 48 and partial is None:
+                partial = time.monotonic() - killed_at
+            if stored == 48 and loaded == 48:
+                full = time.monotonic() - killed_at
+                break
+            time.sleep(0.05)
+        assert partial is not None  # the victim's keys missed for a while
+        assert full is not None, "hits never came back after the failover"
+        # node timeout (1 s) + election + one refresh, with room for a slow machine
+        assert full < 15
+        assert stats["lookup_max"] < 0.25 + 0.2
+        assert stats["store_max"] < 3 and stats["load_max"] < 3
+        counters = plane.counters()
+        assert counters["cluster_node_failures"] >= 1
+        assert counters["cluster_map_refreshes"] >= 1
+        assert len(plane.slot_map.masters if plane.slot_map else ()) == 3
+        plane.close()
+
+
+def test_clusterdown_with_full_coverage_is_a_miss_then_recovers() -> None:
+    with EmbeddedCluster(replicas_per_master=0, node_timeout_ms=500, full_coverage=True) as cl:
+        plane = cluster_plane(cl.url, op_timeout_s=1.0, fail_fast_s=0.3, connect_timeout_s=0.3)
+        keys = keys_for(30, "down")
+        data = payloads(30, seed=2)
+        assert (
+            plane.store([(k, data[i]) for i, k in enumerate(keys)], FP) == [StoreStatus.STORED] * 30
+        )
+        victim = cl.masters[2]
+        victim.kill()
+        survivor = cl.client(cl.masters[0])
+        deadline = time.monotonic() + 15
+        while "cluster_state:fail" not in survivor.execute_command("CLUSTER", "INFO").decode():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # Every node now answers CLUSTERDOWN: misses and failed stores, no exception.
+        stats = {"lookup_max": 0.0, "store_max": 0.0, "load_max": 0.0}
+        stored, loaded = _check_loop_step(plane, keys, data, stats)
+        assert (stored, loaded) == (0, 0)
+        assert plane.lookup(keys) == [False] * 30
+        victim.start()
+        cl.wait_healthy()
+        deadline = time.monotonic() + 15
+        while True:
+            stored, loaded = _check_loop_step(plane, keys, data, stats)
+            if stored == loaded == 30:
+                break
+            assert time.monotonic() < deadline, (stored, loaded)
+            time.sleep(0.1)
+        survivor.close()
+        plane.close()

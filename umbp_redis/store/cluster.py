@@ -1,0 +1,572 @@
+"""The data plane against a Redis Cluster: one ``RedisDataPlane`` per master.
+
+Keys are spread over the masters by their slot (schema v1 keys have no hash tags, so a
+request's blocks use every node's memory and bandwidth). Each master has its own
+connection pool, warm lookup connection and health, so a dead master costs only its
+own keys.
+
+* ``lookup_blocks``: the keys are grouped by master; one pre-encoded buffer goes to
+  every master, then every master's replies are read: one round trip per master, all
+  masters at once, from one thread, within ``lookup_timeout_s``. A master that fails,
+  times out or answers an error turns its keys into misses.
+* ``store``/``load``: grouped by master and run in parallel (each master's part spread
+  over ``transfer_connections``). ``MOVED`` updates the map and re-sends once to the
+  new owner; ``ASK`` sends once to the named node after ``ASKING``.
+* The slot map is re-read in the background after ``MOVED``, ``CLUSTERDOWN`` or a
+  failed master (with backoff), and every ``cluster_refresh_s``; one refresh at a
+  time, and callers go on with the map they have.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, TypeVar
+
+from umbp_redis.store.connection import RedisConnection
+from umbp_redis.store.errors import RedisDataPlaneError, RedisRedirectError, RedisTimeoutError
+from umbp_redis.store.plane import (
+    DataPlaneStats,
+    LoadStatus,
+    RedisDataPlane,
+    StoreStatus,
+    record_loads,
+    record_stores,
+)
+from umbp_redis.store.resp import Buffer, ErrorReply, encode_command, send_buffers
+from umbp_redis.store.settings import RedisSettings
+from umbp_redis.store.slots import (
+    UNASSIGNED,
+    Address,
+    SlotMap,
+    key_slot,
+    parse_cluster_shards,
+    parse_cluster_slots,
+)
+
+log = logging.getLogger(__name__)
+S = TypeVar("S", StoreStatus, LoadStatus)
+
+_MIN_REFRESH_GAP_S = 0.1
+_MAX_REFRESH_GAP_S = 1.0
+
+
+class SlottedBlock(NamedTuple):
+    """One block's lookup commands, one per key, and each key's slot (computed once)."""
+
+    cmds: tuple[bytes, ...]
+    slots: tuple[int, ...]
+
+
+class ClusterLookupEncoder:
+    """Encodes one block's per-key lookup commands from the block hash, with slots.
+
+    On a cluster every key is its own command (a multi-key ``TOUCH`` of keys in
+    different slots is refused): ``EXPIRE key ttl`` with ``refresh_ttl``, else
+    ``TOUCH key``; each answers 1 for a present key.
+    """
+
+    def __init__(
+        self, prefixes: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes, hash_hex_len: int
+    ) -> None:
+        self.prefixes = tuple(prefixes)
+        self.replies = len(self.prefixes)
+        self.hash_hex_len = hash_hex_len
+        n = hash_hex_len
+        if refresh_ttl:
+            tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+            self._heads = tuple(
+                b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s" % (len(p) + n, p) for p in self.prefixes
+            )
+        else:
+            tail = b"\r\n"
+            self._heads = tuple(
+                b"*2\r\n$5\r\nTOUCH\r\n$%d\r\n%s" % (len(p) + n, p) for p in self.prefixes
+            )
+        self._tail = tail
+
+    def encode(self, hash_hex: bytes) -> SlottedBlock:
+        """The block's commands and slots, for a hash of the length given at construction."""
+        if len(hash_hex) != self.hash_hex_len:
+            raise ValueError(
+                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
+            )
+        tail = hash_hex + self._tail
+        return SlottedBlock(
+            tuple(h + tail for h in self._heads),
+            tuple(key_slot(p + hash_hex) for p in self.prefixes),
+        )
+
+
+def read_slot_map(conn: RedisConnection, asked_host: str, epoch: int) -> SlotMap:
+    """The cluster's slot map as ``conn``'s node sees it (``CLUSTER SHARDS``, else
+    ``CLUSTER SLOTS``); raises ``RedisDataPlaneError`` or ``ValueError``."""
+    send_buffers(conn.sock, [encode_command("CLUSTER", "SHARDS")], use_sendmsg=False)
+    reply = conn.reader.read_reply()
+    if isinstance(reply, ErrorReply):
+        if "unknown" not in reply.message.lower():
+            raise reply.exc
+        send_buffers(conn.sock, [encode_command("CLUSTER", "SLOTS")], use_sendmsg=False)
+        reply = conn.reader.read_reply()
+        if isinstance(reply, ErrorReply):
+            raise reply.exc
+        return parse_cluster_slots(reply, asked_host, epoch)
+    return parse_cluster_shards(reply, asked_host, epoch)
+
+
+class ClusterDataPlane:
+    """Lookups, stores and loads against every master of a Redis Cluster."""
+
+    lookup_mode = "cluster"
+
+    def __init__(self, settings: RedisSettings, slot_map: SlotMap | None = None) -> None:
+        self.settings = settings
+        self.stats = DataPlaneStats()
+        self.seeds: tuple[Address, ...] = (
+            (settings.host, settings.port),
+            *settings.cluster_seed_nodes,
+        )
+        self._ttl = str(int(settings.ttl_seconds)).encode()
+        self._nodes: dict[Address, RedisDataPlane] = {}
+        self._nodes_lock = threading.Lock()
+        self._map = slot_map
+        self._map_at = time.monotonic()
+        self._refresh_lock = threading.Lock()
+        self._refreshing = False
+        self._next_refresh_at = 0.0
+        self._gap = _MIN_REFRESH_GAP_S
+        self._closed = False
+        self._counts_lock = threading.Lock()
+        self.cluster_counts = {
+            "cluster_moved": 0,
+            "cluster_ask": 0,
+            "cluster_map_refreshes": 0,
+            "cluster_map_refresh_failures": 0,
+            "cluster_node_failures": 0,
+        }
+        self.node_failures: dict[str, int] = {}
+        self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="umbp-redis-node")
+        if slot_map is None:
+            self.refresh_map("startup")
+        else:
+            self.warm_up()
+
+    # -- nodes and the slot map -------------------------------------------------------
+
+    @property
+    def slot_map(self) -> SlotMap | None:
+        """The map in use (None until one was read)."""
+        return self._map
+
+    def node(self, addr: Address) -> RedisDataPlane:
+        """The data plane of one node (made on first use, kept for the process)."""
+        plane = self._nodes.get(addr)
+        if plane is None:
+            with self._nodes_lock:
+                plane = self._nodes.get(addr)
+                if plane is None:
+                    plane = RedisDataPlane(self.settings.for_node(*addr))
+                    self._nodes[addr] = plane
+        return plane
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self.cluster_counts[name] += n
+
+    def _node_failed(self, addr: Address, what: str) -> None:
+        key = f"{addr[0]}:{addr[1]}"
+        with self._counts_lock:
+            self.cluster_counts["cluster_node_failures"] += 1
+            self.node_failures[key] = self.node_failures.get(key, 0) + 1
+        log.debug("cluster node %s failed %s", key, what)
+        self.refresh_map(f"{what} failed on {key}")
+
+    def refresh_map(self, reason: str) -> bool:
+        """Start re-reading the slot map in the background; False when one is running or
+        the backoff since the last one has not passed. Never waits."""
+        now = time.monotonic()
+        with self._refresh_lock:
+            if self._closed or self._refreshing or now < self._next_refresh_at:
+                return False
+            self._refreshing = True
+        threading.Thread(
+            target=self._refresh, args=(reason,), name="umbp-redis-slots", daemon=True
+        ).start()
+        return True
+
+    def _candidates(self) -> list[Address]:
+        m = self._map
+        out: list[Address] = []
+        if m is not None:
+            out.extend(m.masters)
+            for reps in m.replicas:
+                out.extend(reps)
+        out.extend(self.seeds)
+        return list(dict.fromkeys(out))
+
+    def _refresh(self, reason: str) -> None:
+        new: SlotMap | None = None
+        errors: list[str] = []
+        old = self._map
+        epoch = (old.epoch + 1) if old is not None else 1
+        try:
+            for addr in self._candidates():
+                try:
+                    conn = RedisConnection(self.settings.for_node(*addr))
+                except RedisDataPlaneError as e:
+                    errors.append(f"{addr[0]}:{addr[1]}: {e}")
+                    continue
+                try:
+                    conn.reader.deadline = time.monotonic() + self.settings.op_timeout_s
+                    candidate = read_slot_map(conn, addr[0], epoch)
+                except (RedisDataPlaneError, ValueError, TypeError, IndexError) as e:
+                    errors.append(f"{addr[0]}:{addr[1]}: {e}")
+                    continue
+                finally:
+                    conn.close()
+                if candidate.covered:
+                    new = candidate
+                    break
+                errors.append(f"{addr[0]}:{addr[1]}: serves no slots")
+        except Exception as e:  # never let the thread die silently
+            errors.append(repr(e))
+        now = time.monotonic()
+        changed = new is not None and (
+            old is None or new.masters != old.masters or new.owner != old.owner
+        )
+        with self._refresh_lock:
+            if new is not None:
+                self._map, self._map_at = new, now
+            # Back off while nothing changes (a master down, not yet replaced).
+            self._gap = _MIN_REFRESH_GAP_S if changed else min(_MAX_REFRESH_GAP_S, self._gap * 2)
+            self._next_refresh_at = now + self._gap
+            self._refreshing = False
+        if new is None:
+            self._count("cluster_map_refresh_failures")
+            log.warning(
+                "umbp-redis: cannot read the Redis Cluster slot map (%s): %s",
+                reason,
+                "; ".join(errors) or "no node answered",
+            )
+            return
+        self._count("cluster_map_refreshes")
+        if changed:
+            log.info(
+                "umbp-redis: Redis Cluster slot map (%s): %d masters, %d/16384 slots served",
+                reason,
+                len(new.masters),
+                new.covered,
+            )
+            self.warm_up()
+
+    def _maybe_periodic(self) -> None:
+        if time.monotonic() - self._map_at > self.settings.cluster_refresh_s:
+            self.refresh_map("periodic")
+
+    def _apply_moved(self, err: RedisRedirectError, asked: Address) -> Address:
+        target = (err.host or asked[0], err.port)
+        m = self._map
+        if m is not None and m.node_of(err.slot) != target:
+            with self._refresh_lock:
+                if self._map is m:
+                    self._map = m.moved(err.slot, target)
+        return target
+
+    def warm_up(self) -> None:
+        """Start the lookup connection of every master now, off the caller's thread."""
+        m = self._map
+        for addr in m.masters if m is not None else ():
+            self.node(addr).warm_up()
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def lookup_encoder(
+        self, prefixes: Sequence[bytes], *, refresh_ttl: bool, hash_hex_len: int
+    ) -> ClusterLookupEncoder:
+        """The encoder of one block's lookup commands, for ``lookup_blocks``."""
+        return ClusterLookupEncoder(
+            prefixes, refresh_ttl=refresh_ttl, ttl=self._ttl, hash_hex_len=hash_hex_len
+        )
+
+    def lookup_blocks(self, blocks: Sequence[SlottedBlock], count: int) -> list[int] | None:
+        """Replies (1 per present key) to blocks from ``lookup_encoder``, in order.
+
+        The keys of a master that fails, times out or answers an error read 0 (a miss);
+        None only when no slot map is known yet. Ends within ``lookup_timeout_s``.
+        """
+        deadline = time.monotonic() + self.settings.lookup_timeout_s
+        self.stats.add(lookups=1)
+        m = self._map
+        if m is None:
+            self.refresh_map("lookup without a slot map")
+            self.stats.add(lookup_errors=1)
+            return None
+        self._maybe_periodic()
+        owner = m.owner
+        per_node: dict[int, tuple[list[bytes], list[int]]] = {}
+        pos = 0
+        for blk in blocks:
+            for cmd, slot in zip(blk.cmds, blk.slots, strict=True):
+                i = owner[slot]
+                if i != UNASSIGNED:
+                    entry = per_node.get(i)
+                    if entry is None:
+                        entry = per_node[i] = ([], [])
+                    entry[0].append(cmd)
+                    entry[1].append(pos)
+                pos += 1
+        if pos != count:
+            self.stats.add(lookup_errors=1)
+            return None
+        replies = [0] * count
+        failed = pos > sum(len(e[1]) for e in per_node.values())  # slots no master serves
+        if failed:
+            self.refresh_map("lookup of unserved slots")
+        sent: list[tuple[Address, Any, RedisConnection, list[int]]] = []
+        for i, (cmds, positions) in per_node.items():
+            addr = m.masters[i]
+            cm = self.node(addr).lookup_conn.connection(deadline)
+            try:
+                conn = cm.__enter__()
+            except RedisDataPlaneError as e:
+                failed = True
+                self._lookup_failed(addr, e)
+                continue
+            try:
+                send_buffers(conn.sock, [b"".join(cmds)], use_sendmsg=False, deadline=deadline)
+            except BaseException as e:
+                cm.__exit__(type(e), e, e.__traceback__)
+                failed = True
+                if not isinstance(e, RedisDataPlaneError):
+                    raise
+                self._lookup_failed(addr, e)
+                continue
+            sent.append((addr, cm, conn, positions))
+        hits = 0
+        for addr, cm, conn, positions in sent:
+            try:
+                got = conn.reader.read_int_replies(len(positions))
+            except BaseException as e:
+                cm.__exit__(type(e), e, e.__traceback__)
+                failed = True
+                if isinstance(e, RedisDataPlaneError):
+                    self._lookup_failed(addr, e)
+                else:
+                    self._unexpected_lookup(e)
+                continue
+            cm.__exit__(None, None, None)
+            errors = [r for r in got if isinstance(r, ErrorReply)]
+            if errors:
+                failed = True
+                self.node(addr)._note_refusals(errors, "EXPIRE")
+                self._node_failed(addr, f"lookup ({errors[0].message[:60]})")
+            for p, r in zip(positions, got, strict=True):
+                if r == 1:
+                    replies[p] = 1
+                    hits += 1
+        self.stats.add(lookup_keys=count, lookup_hits=hits, lookup_errors=int(failed))
+        return replies
+
+    def _lookup_failed(self, addr: Address, e: RedisDataPlaneError) -> None:
+        if isinstance(e, RedisTimeoutError):
+            self.stats.add(lookup_timeouts=1)
+        self._node_failed(addr, "lookup")
+
+    def _unexpected_lookup(self, e: BaseException) -> None:
+        self.stats.add(unexpected_errors=1)
+        log.error("umbp-redis: unexpected error in a cluster lookup (a miss): %r", e)
+
+    def lookup(
+        self,
+        keys: Sequence[str | bytes],
+        *,
+        refresh_ttl: bool | None = None,
+        timeout: float | None = None,
+    ) -> list[bool] | None:
+        """Presence of each key, in order (as ``RedisDataPlane.lookup``; keys on a failed
+        master read as absent)."""
+        refresh = self.settings.refresh_ttl_on_lookup if refresh_ttl is None else refresh_ttl
+        blocks = []
+        for k in keys:
+            kb = k if isinstance(k, bytes) else k.encode()
+            enc = ClusterLookupEncoder([kb], refresh_ttl=refresh, ttl=self._ttl, hash_hex_len=0)
+            blocks.append(enc.encode(b""))
+        replies = self.lookup_blocks(blocks, len(blocks))
+        return None if replies is None else [r == 1 for r in replies]
+
+    # -- stores and loads --------------------------------------------------------------
+
+    def _route(
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        call: Callable[[RedisDataPlane, list[tuple[str | bytes, Buffer]], bool], list[Any]],
+        on_error: S,
+        what: str,
+    ) -> list[S]:
+        """Run ``call`` on each master's share of ``items`` in parallel; follow ``MOVED``
+        and ``ASK`` once. Per-item results, in order."""
+        out: list[S] = [on_error] * len(items)
+        m = self._map
+        if m is None:
+            self.refresh_map(f"{what} without a slot map")
+            return out
+        self._maybe_periodic()
+        groups: dict[tuple[Address, bool], list[int]] = {}
+        for i, (key, _) in enumerate(items):
+            node = m.node_of(key_slot(key if isinstance(key, bytes) else key.encode()))
+            if node is not None:
+                groups.setdefault((node, False), []).append(i)
+        for attempt in range(2):
+            if not groups:
+                break
+            futures = {
+                target: self._executor.submit(
+                    self._guarded, call, target[0], [items[i] for i in idx], target[1], on_error
+                )
+                for target, idx in groups.items()
+            }
+            retry: dict[tuple[Address, bool], list[int]] = {}
+            for (addr, asking), fut in futures.items():
+                idx = groups[(addr, asking)]
+                res = fut.result()
+                node_error = False
+                for i, r in zip(idx, res, strict=True):
+                    if isinstance(r, RedisRedirectError):
+                        if r.kind == "MOVED":
+                            self._count("cluster_moved")
+                            target = (self._apply_moved(r, addr), False)
+                        else:
+                            self._count("cluster_ask")
+                            target = ((r.host or addr[0], r.port), True)
+                        if attempt == 0:
+                            retry.setdefault(target, []).append(i)
+                        continue
+                    out[i] = r
+                    node_error |= r in (StoreStatus.ERROR, LoadStatus.ERROR)
+                if node_error:
+                    self._node_failed(addr, what)
+            if any(not asking for _, asking in retry):
+                self.refresh_map(f"MOVED on a {what}")
+            groups = retry
+        return out
+
+    def _guarded(
+        self,
+        call: Callable[[RedisDataPlane, list[tuple[str | bytes, Buffer]], bool], list[Any]],
+        addr: Address,
+        items: list[tuple[str | bytes, Buffer]],
+        asking: bool,
+        on_error: S,
+    ) -> list[Any]:
+        try:
+            return call(self.node(addr), items, asking)
+        except Exception as e:  # a bug fails these keys, nothing more
+            self.stats.add(unexpected_errors=1)
+            log.error("umbp-redis: unexpected error on cluster node %s: %r", addr, e)
+            return [on_error] * len(items)
+
+    def store(
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        fingerprint: bytes,
+        *,
+        skip_existing: bool = False,
+        ttl_seconds: int | None = None,
+    ) -> list[StoreStatus]:
+        """Write each (key, payload) on its master with a TTL; per-key status, in order
+        (as ``RedisDataPlane.store``)."""
+        if not items:
+            return []
+        out = self._route(
+            items,
+            lambda plane, sub, asking: plane.store_raw(
+                sub,
+                fingerprint,
+                skip_existing=skip_existing,
+                ttl_seconds=ttl_seconds,
+                asking=asking,
+            ),
+            StoreStatus.ERROR,
+            "store",
+        )
+        record_stores(self.stats, items, out)
+        return out
+
+    def load(
+        self, items: Sequence[tuple[str | bytes, Buffer]], fingerprint: bytes
+    ) -> list[LoadStatus]:
+        """Read each key from its master into its buffer; per-key status, in order (as
+        ``RedisDataPlane.load``)."""
+        if not items:
+            return []
+        out = self._route(
+            items,
+            lambda plane, sub, asking: plane.load_raw(sub, fingerprint, asking=asking),
+            LoadStatus.ERROR,
+            "load",
+        )
+        record_loads(self.stats, items, out)
+        return out
+
+    def delete(self, keys: Sequence[str | bytes]) -> int:
+        """UNLINK keys, one command per slot on its master; the number removed."""
+        m = self._map
+        if m is None or not keys:
+            return 0
+        by_node: dict[Address, dict[int, list[bytes]]] = {}
+        for k in keys:
+            kb = k if isinstance(k, bytes) else k.encode()
+            slot = key_slot(kb)
+            node = m.node_of(slot)
+            if node is not None:
+                by_node.setdefault(node, {}).setdefault(slot, []).append(kb)
+        removed = 0
+        for addr, slots in by_node.items():
+            buf = b"".join(encode_command("UNLINK", *ks) for ks in slots.values())
+            try:
+                replies = self.node(addr)._int_round_trip(buf, len(slots))
+            except RedisDataPlaneError:
+                continue
+            removed += sum(r for r in replies if isinstance(r, int))
+        return removed
+
+    # -- misc -------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        """Every counter: transfers and lookups, refused logins/commands of all nodes,
+        redirects, map refreshes and failed-node events."""
+        with self._nodes_lock:
+            nodes = list(self._nodes.values())
+        with self._counts_lock:
+            cluster = dict(self.cluster_counts)
+        unexpected = sum(n.stats.snapshot()["unexpected_errors"] for n in nodes)
+        snap = self.stats.snapshot()
+        snap["unexpected_errors"] += unexpected
+        return {**snap, **cluster, "auth_failures": sum(n.auth.count for n in nodes)}
+
+    def node_counters(self) -> dict[str, int]:
+        """Failed-node events per master ("host:port")."""
+        with self._counts_lock:
+            return dict(self.node_failures)
+
+    def ping(self) -> float | None:
+        """Round-trip seconds of a PING to the first master that answers, or None."""
+        m = self._map
+        for addr in m.masters if m is not None else ():
+            t = self.node(addr).ping()
+            if t is not None:
+                return t
+        return None
+
+    def close(self) -> None:
+        """Stop the I/O threads and close every node's connections."""
+        with self._refresh_lock:
+            self._closed = True
+        self._executor.shutdown(wait=True)
+        with self._nodes_lock:
+            nodes = list(self._nodes.values())
+        for n in nodes:
+            n.close()
