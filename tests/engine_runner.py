@@ -7,7 +7,8 @@ Phases: ``generate`` (greedy), ``reset`` (drop vLLM's local prefix cache), ``cor
 ``strip_checksum`` (rewrite headers as a writer without checksums), ``validate``
 (inspect every value), ``delete`` (remove every stored key), ``limit_memory`` (make
 the server a small LRU cache), ``evicted``, ``shutdown_redis`` and ``start_redis`` (a
-private server on a given port).
+private server on a given port), ``kill_pid`` (SIGKILL a Redis node), ``sleep`` and
+``node_keys`` (stored keys per node).
 """
 
 from __future__ import annotations
@@ -160,6 +161,17 @@ def main(spec_path: str) -> None:
         elif op == "evicted":
             r = redis.Redis.from_url(phase["url"])
             results[phase["name"]] = int(r.info("stats")["evicted_keys"])
+        elif op == "kill_pid":  # a crash of a Redis node (SIGKILL)
+            import signal
+
+            os.kill(phase["pid"], signal.SIGKILL)
+        elif op == "sleep":
+            time.sleep(phase["seconds"])
+        elif op == "node_keys":  # stored keys per node (ports on 127.0.0.1)
+            results[phase["name"]] = [
+                len(list(redis.Redis(port=p).scan_iter(match="umbp:vllm:v1:*", count=1000)))
+                for p in phase["ports"]
+            ]
         elif op == "count_keys":
             r = redis.Redis.from_url(phase["url"])
             results[phase["name"]] = len(list(r.scan_iter(match="umbp:vllm:v1:*", count=1000)))

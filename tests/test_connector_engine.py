@@ -19,6 +19,7 @@ from test_cli import cli
 from typed_redis import raw
 
 from umbp_redis.data import parse_key
+from umbp_redis.ops.embedded_cluster import EmbeddedCluster
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.ops.tiny_model import sample_prompts
 
@@ -215,6 +216,45 @@ def test_fresh_engine_loads_prefix_and_survives_bad_values_and_outages(
     assert all(o["cached"] <= 2 * BLOCK for o in res["redis_down"]["outputs"])
     assert res["keys_back"] == 2 + len(PROMPTS)  # stores resumed once Redis was back
     server.restart()  # the fixture owns the server again
+
+
+def test_cold_then_warm_on_a_cluster_with_a_master_killed_mid_run(
+    work: Path,
+    tiny_model: Path,
+    baseline: dict,  # type: ignore[type-arg]
+) -> None:
+    with EmbeddedCluster(node_timeout_ms=1000) as cl:
+        ports = [n.port for n in cl.masters]
+        victim = cl.masters[0]
+        assert victim.proc is not None
+        phases = [
+            {"op": "generate", "name": "cold"},
+            {"op": "node_keys", "ports": ports, "name": "keys"},
+            {"op": "reset"},
+            {"op": "generate", "name": "warm"},
+            {"op": "kill_pid", "pid": victim.proc.pid},
+            {"op": "reset"},
+            {"op": "generate", "name": "master_down"},
+            {"op": "sleep", "seconds": 6},  # node timeout + election + a map refresh
+            {"op": "reset"},
+            {"op": "generate", "name": "after_failover"},
+        ]
+        res = run_engine(work, "cluster", tiny_model, connector(cl.url), phases)
+        masters_after = cl.current_masters()
+    expected = tokens(baseline)
+    for phase in ("cold", "warm", "master_down", "after_failover"):
+        assert tokens(res[phase]) == expected, phase
+    assert sum(res["keys"]) == 2 + len(PROMPTS)  # every block once, on its slot's master
+    assert sum(1 for n in res["keys"] if n) >= 2
+    for o in res["warm"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    # After the failover the promoted replica serves the victim's slots (with what was
+    # replicated), the other masters theirs: every block is a hit again.
+    assert len(masters_after) == 3 and victim not in masters_after
+    for o in res["after_failover"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    log = (work / "cluster.log").read_text()
+    assert "Traceback" not in log
 
 
 def test_unreachable_redis_at_startup(work: Path, tiny_model: Path, baseline: dict) -> None:  # type: ignore[type-arg]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from umbp_redis.data import BlockLoadBatch, BlockStoreBatch, UMBPConnectorMetadata
 from umbp_redis.engine.worker import UMBPWorker
+from umbp_redis.ops.embedded_cluster import EmbeddedCluster
+from umbp_redis.store.cluster import ClusterDataPlane
+from umbp_redis.store.deployment import open_plane
 from umbp_redis.store.errors import ConfigError
-from umbp_redis.store.plane import RedisDataPlane
 from umbp_redis.store.settings import RedisSettings, validate_options
 
 NB = 16
@@ -36,7 +39,7 @@ def make_worker(model_config: ModelConfig, url: str, **extra) -> tuple[UMBPWorke
     )
     opts = validate_options(ktc(cfg).kv_connector_extra_config)
     w = UMBPWorker(
-        cfg, kv, opts, plane=RedisDataPlane(RedisSettings.from_options(opts)), ranks=(0, 0, 0)
+        cfg, kv, opts, plane=open_plane(RedisSettings.from_options(opts)), ranks=(0, 0, 0)
     )
     w.register_kv_caches(caches)
     return w, caches
@@ -85,7 +88,19 @@ def wait_loaded(w: UMBPWorker, rid: str) -> set[int]:
     raise AssertionError(f"{rid} never finished loading")
 
 
-def test_store_then_load_into_another_engine(model_config: ModelConfig, redis_url: str) -> None:
+@pytest.fixture(scope="module")
+def cluster_url() -> Iterator[str]:
+    with EmbeddedCluster() as c:
+        yield c.url
+
+
+@pytest.mark.parametrize("deployment", ["standalone", "cluster"])
+def test_store_then_load_into_another_engine(
+    model_config: ModelConfig, deployment: str, request: pytest.FixtureRequest
+) -> None:
+    redis_url = request.getfixturevalue(
+        "redis_url" if deployment == "standalone" else "cluster_url"
+    )
     src, src_caches = make_worker(model_config, redis_url)
     fill_random(src_caches, seed=5)
     step(
@@ -113,6 +128,10 @@ def test_store_then_load_into_another_engine(model_config: ModelConfig, redis_ur
             page_bytes(dst_caches[name], 10, NB), page_bytes(src_caches[name], 4, NB)
         )
         assert not page_bytes(dst_caches[name], 11, NB).any()
+    stats = dst.take_stats()
+    assert stats["blocks_loaded"] == 2 and stats["load_failures"] == 1
+    assert isinstance(dst.plane, ClusterDataPlane) == (deployment == "cluster")
+    assert stats["cluster_node_failures"] == 0
 
 
 def test_sync_load_reports_errors_without_finished_ids(

@@ -109,9 +109,7 @@ class WorkerStats:
         "store_ms_total",
         "loads",
         "stores",
-        "auth_failures",
-        "unexpected_errors",
-    )
+    ) + CARRIED_COUNTERS
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -121,7 +119,7 @@ class WorkerStats:
         """Add to counters."""
         with self._lock:
             for k, v in kw.items():
-                self.values[k] += v
+                self.values[k] = self.values.get(k, 0) + v
 
     def take(self) -> dict[str, float]:
         """Counters since the last call (and reset them)."""
@@ -503,7 +501,11 @@ class UMBPWorker:
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call, with the data plane's refused logins/commands,
         unexpected errors (bugs, malformed replies) and cluster events since then."""
-        counters = self.plane.counters() if hasattr(self.plane, "counters") else {}
+        try:
+            counters = self.plane.counters() if hasattr(self.plane, "counters") else {}
+        except Exception as e:  # a bug here must not reach vLLM's step
+            log.error("umbp-redis: cannot read the data plane's counters: %r", e)
+            counters = {}
         for name in CARRIED_COUNTERS:
             now = int(counters.get(name, 0))
             delta = now - self._seen_counters.get(name, 0)

@@ -52,6 +52,7 @@ S = TypeVar("S", StoreStatus, LoadStatus)
 
 _MIN_REFRESH_GAP_S = 0.1
 _MAX_REFRESH_GAP_S = 1.0
+_SUSPECT_WATCH_S = 60.0
 
 
 class SlottedBlock(NamedTuple):
@@ -148,6 +149,10 @@ class ClusterDataPlane:
             "cluster_node_failures": 0,
         }
         self.node_failures: dict[str, int] = {}
+        # Masters that failed recently (address -> when): while the map still names one
+        # of them, it is re-read every refresh gap, so a promoted replica is found
+        # without waiting for traffic.
+        self._suspects: dict[Address, float] = {}
         self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="umbp-redis-node")
         if slot_map is None:
             self.refresh_map("startup")
@@ -181,6 +186,7 @@ class ClusterDataPlane:
         with self._counts_lock:
             self.cluster_counts["cluster_node_failures"] += 1
             self.node_failures[key] = self.node_failures.get(key, 0) + 1
+            self._suspects[addr] = time.monotonic()
         log.debug("cluster node %s failed %s", key, what)
         self.refresh_map(f"{what} failed on {key}")
 
@@ -244,6 +250,7 @@ class ClusterDataPlane:
             self._gap = _MIN_REFRESH_GAP_S if changed else min(_MAX_REFRESH_GAP_S, self._gap * 2)
             self._next_refresh_at = now + self._gap
             self._refreshing = False
+        self._watch_suspects(new or old, now)
         if new is None:
             self._count("cluster_map_refresh_failures")
             log.warning(
@@ -261,6 +268,19 @@ class ClusterDataPlane:
                 new.covered,
             )
             self.warm_up()
+
+    def _watch_suspects(self, m: SlotMap | None, now: float) -> None:
+        """Re-read the map after the refresh gap while it names a master that failed in
+        the last ``_SUSPECT_WATCH_S`` (until its replica is promoted)."""
+        with self._counts_lock:
+            for addr, at in list(self._suspects.items()):
+                if now - at > _SUSPECT_WATCH_S or m is None or addr not in m.masters:
+                    del self._suspects[addr]
+            watch = bool(self._suspects)
+        if watch and not self._closed:
+            timer = threading.Timer(self._gap + 0.01, self.refresh_map, args=("failover watch",))
+            timer.daemon = True
+            timer.start()
 
     def _maybe_periodic(self) -> None:
         if time.monotonic() - self._map_at > self.settings.cluster_refresh_s:
