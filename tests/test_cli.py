@@ -12,7 +12,8 @@ import redis
 from typed_redis import raw
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
-from umbp_redis.store.plane import RedisDataPlane
+from umbp_redis.store.deployment import open_plane
+from umbp_redis.store.plane import StoreStatus
 from umbp_redis.store.settings import RedisSettings
 
 FP = b"\x11" * 16
@@ -29,10 +30,10 @@ def cli(*args: str, input_text: str | None = None) -> subprocess.CompletedProces
 
 
 def fill(url: str, ns: str, n: int, size: int = 4096, checksum: bool = True) -> list[str]:
-    plane = RedisDataPlane(RedisSettings.from_url(url, checksum=checksum))
+    plane = open_plane(RedisSettings.from_url(url, checksum=checksum))
     keys = [f"umbp:vllm:v1:{ns}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(n)]
     data = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
-    plane.store(list(zip(keys, data, strict=True)), FP)
+    assert set(plane.store(list(zip(keys, data, strict=True)), FP)) == {StoreStatus.STORED}
     plane.close()
     return keys
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import redis
+from test_cli import cli, fill
 from typed_redis import raw
 
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
@@ -441,3 +443,44 @@ def test_clusterdown_with_full_coverage_is_a_miss_then_recovers() -> None:
             time.sleep(0.1)
         survivor.close()
         plane.close()
+
+
+# --- operator commands --------------------------------------------------------------
+
+
+def test_cli_verbs_cover_every_master(clean_cluster: EmbeddedCluster) -> None:
+    url = clean_cluster.url
+    keys_a = fill(url, "nsa", 40)
+    fill(url, "nsb", 10)
+    ls = json.loads(cli("ls", "--redis-url", url, "--json", "--limit", "100").stdout)
+    assert ls["namespaces"] == {"nsa": 40, "nsb": 10} and len(ls["keys"]) == 50
+    st = json.loads(cli("stats", "--redis-url", url, "--json").stdout)
+    assert st["namespaces"]["nsa"]["keys"] == 40
+    assert st["server"]["masters"] == 3 and len(st["nodes"]) == 3
+    assert st["server"]["maxmemory_policy"] == "allkeys-lru"
+    insp = cli("inspect", "--redis-url", url, "--json", keys_a[7])
+    assert insp.returncode == 0 and json.loads(insp.stdout)["valid"] is True
+    purge = cli("purge", "--redis-url", url, "--namespace", "nsb", "--yes", "--json")
+    assert json.loads(purge.stdout)["deleted"] == 10
+    ls = json.loads(cli("ls", "--redis-url", url, "--json").stdout)
+    assert ls["namespaces"] == {"nsa": 40}
+    doc = cli("doctor", "--redis-url", url, "--json")
+    report = json.loads(doc.stdout)
+    assert doc.returncode == 0 and report["ok"] and report["cluster"]
+    by_check: dict[str, list[str]] = {}
+    for c in report["checks"]:
+        by_check.setdefault(c["check"], []).append(c["level"])
+    assert by_check["cluster state"] == ["ok"] and by_check["slot coverage"] == ["ok"]
+    assert by_check["replicas"] == ["ok"] * 3 and by_check["full coverage"] == ["ok"] * 3
+    assert by_check["eviction"] == ["ok"] * 3
+    # --cluster false talks to the one node named: it sees only that master's keys.
+    one = json.loads(cli("ls", "--redis-url", url, "--json", "--cluster", "false").stdout)
+    assert 0 < one["namespaces"]["nsa"] < 40
+
+
+def test_doctor_warns_about_full_coverage_and_masters_without_replicas() -> None:
+    with EmbeddedCluster(replicas_per_master=0, full_coverage=True) as cl:
+        report = json.loads(cli("doctor", "--redis-url", cl.url, "--json").stdout)
+    levels = {(c["check"], c["level"]) for c in report["checks"]}
+    assert ("replicas", "warn") in levels and ("full coverage", "warn") in levels
+    assert report["ok"]  # warnings, not failures

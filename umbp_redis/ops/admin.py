@@ -39,6 +39,13 @@ def register(sub: Any) -> None:
             help=f"server (default: $UMBP_REDIS_URL, else {DEFAULT_URL})",
         )
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument(
+            "--cluster",
+            choices=("auto", "true", "false"),
+            default="auto",
+            help="whether the server is a Redis Cluster node (auto: ask it); on a cluster "
+            "every verb covers every master",
+        )
 
     p = sub.add_parser("ls", help="list namespaces and keys with their decoded fields")
     common(p)
@@ -80,10 +87,45 @@ def _client(args: argparse.Namespace) -> Any:
     """
     import redis
 
-    settings = RedisSettings.from_options({"redis_url": args.redis_url})
+    settings = RedisSettings.from_options(
+        {"redis_url": args.redis_url, "cluster": getattr(args, "cluster", "auto")}
+    )
     kw = settings.redispy_kwargs()
     kw["socket_connect_timeout"] = 2
-    return redis.Redis(**kw, socket_timeout=10)
+    r = redis.Redis(**kw, socket_timeout=10)
+    if settings.scheme == "unix" or settings.cluster == "off":
+        return r
+    if settings.cluster == "auto":
+        try:
+            if not int(r.info("cluster").get("cluster_enabled", 0)):
+                return r
+        except redis.RedisError:  # unreachable or INFO refused: the verb reports it
+            return r
+    r.close()
+    kw.pop("db", None)
+    return redis.RedisCluster(**kw, socket_timeout=10)
+
+
+def _is_cluster(r: Any) -> bool:
+    import redis
+
+    return isinstance(r, redis.RedisCluster)
+
+
+def _per_master(r: Any, call: Any) -> list[tuple[str, Any]]:
+    """``call(client, target_nodes)`` on every master (one standalone server: itself)."""
+    if _is_cluster(r):
+        return [(n.name, call(r, n)) for n in r.get_primaries()]
+    kw = r.connection_pool.connection_kwargs
+    name = kw.get("path") or f"{kw.get('host')}:{kw.get('port')}"
+    return [(str(name), call(r, None))]
+
+
+def _info(section: str) -> Any:
+    def call(r: Any, node: Any) -> Any:
+        return r.info(section) if node is None else r.info(section, target_nodes=node)
+
+    return call
 
 
 def _scan(r: Any, namespace: str | None) -> Iterator[bytes]:
@@ -280,21 +322,39 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "ttl_median_s": statistics.median(t) if t else None,
             "ttl_max_s": max(t) if t else None,
         }
-    mem, sts = r.info("memory"), r.info("stats")
-    hits, misses = int(sts.get("keyspace_hits", 0)), int(sts.get("keyspace_misses", 0))
-    server = {
-        "used_memory": int(mem["used_memory"]),
-        "maxmemory": int(mem.get("maxmemory", 0)),
-        "maxmemory_policy": mem.get("maxmemory_policy"),
-        "evicted_keys": int(sts.get("evicted_keys", 0)),
-        "expired_keys": int(sts.get("expired_keys", 0)),
-        "keyspace_hits": hits,
-        "keyspace_misses": misses,
-        "hit_rate": hits / (hits + misses) if hits + misses else None,
+    mems = dict(_per_master(r, _info("memory")))
+    nodes: dict[str, dict[str, Any]] = {}
+    for name, sts in _per_master(r, _info("stats")):
+        mem = mems[name]
+        nodes[name] = {
+            "used_memory": int(mem["used_memory"]),
+            "maxmemory": int(mem.get("maxmemory", 0)),
+            "maxmemory_policy": mem.get("maxmemory_policy"),
+            "evicted_keys": int(sts.get("evicted_keys", 0)),
+            "expired_keys": int(sts.get("expired_keys", 0)),
+            "keyspace_hits": int(sts.get("keyspace_hits", 0)),
+            "keyspace_misses": int(sts.get("keyspace_misses", 0)),
+        }
+    server: dict[str, Any] = {
+        k: sum(n[k] for n in nodes.values())
+        for k in (
+            "used_memory",
+            "maxmemory",
+            "evicted_keys",
+            "expired_keys",
+            "keyspace_hits",
+            "keyspace_misses",
+        )
     }
+    server["maxmemory_policy"] = ",".join(
+        sorted({str(n["maxmemory_policy"]) for n in nodes.values()})
+    )
+    hits, misses = server["keyspace_hits"], server["keyspace_misses"]
+    server["hit_rate"] = hits / (hits + misses) if hits + misses else None
+    server["masters"] = len(nodes)
     _emit(
         args,
-        {"namespaces": namespaces, "server": server},
+        {"namespaces": namespaces, "server": server, "nodes": nodes},
         [
             [
                 ns,
@@ -310,6 +370,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print()
         for k, v in server.items():
             print(f"{k:18} {v}")
+        if len(nodes) > 1:
+            print()
+            _emit(
+                args,
+                None,
+                [
+                    [name, str(n["used_memory"]), str(n["maxmemory"]), str(n["evicted_keys"])]
+                    for name, n in sorted(nodes.items())
+                ],
+                ["master", "used memory", "maxmemory", "evicted keys"],
+            )
     return 0
 
 
@@ -357,8 +428,101 @@ def cmd_purge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_checks(r: Any, add: Any) -> None:
+    """maxmemory, eviction policy and persistence of every master (named on a cluster)."""
+    import redis
+
+    cluster = _is_cluster(r)
+
+    def config_save(c: Any, node: Any) -> str:
+        try:
+            got = c.config_get("save") if node is None else c.config_get("save", target_nodes=node)
+        except redis.ResponseError:
+            return ""
+        return str(got.get("save", ""))
+
+    saves = dict(_per_master(r, config_save))
+    for name, info in _per_master(r, _info("all")):
+        where = f"{name}: " if cluster else ""
+        maxmem, policy = int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy"))
+        if maxmem == 0:
+            add(
+                "warn",
+                "maxmemory",
+                f"{where}not set: Redis grows until the machine runs out of memory",
+            )
+        else:
+            add("ok", "maxmemory", f"{where}{maxmem} bytes")
+        if policy == "noeviction":
+            add(
+                "warn",
+                "eviction",
+                f"{where}maxmemory-policy is noeviction: stores fail when memory is full",
+            )
+        else:
+            add("ok", "eviction", f"{where}maxmemory-policy {policy}")
+        persist = []
+        if int(info.get("aof_enabled", 0)):
+            persist.append("AOF on")
+        if saves.get(name):
+            persist.append(f"RDB save '{saves[name]}'")
+        add(
+            "warn" if persist else "ok",
+            "persistence",
+            where + (", ".join(persist) + " (a cache needs none)" if persist else "off"),
+        )
+
+
+def _cluster_checks(r: Any, add: Any) -> None:
+    """Cluster state, slot coverage, replicas of every master and full coverage."""
+    import redis
+
+    primaries = r.get_primaries()
+    info = r.cluster_info(target_nodes=primaries[0])
+    state = str(info.get("cluster_state"))
+    add("ok" if state == "ok" else "fail", "cluster state", f"cluster_state:{state}")
+    assigned, ok_slots = (
+        int(info.get("cluster_slots_assigned", 0)),
+        int(info.get("cluster_slots_ok", 0)),
+    )
+    add(
+        "ok" if ok_slots == 16384 else ("fail" if assigned < 16384 else "warn"),
+        "slot coverage",
+        f"{ok_slots}/16384 slots served ({assigned} assigned) by {len(primaries)} masters",
+    )
+    for n in primaries:
+        rep = r.info("replication", target_nodes=n)
+        links = [v for k, v in rep.items() if k.startswith("slave") and isinstance(v, dict)]
+        online = sum(1 for v in links if v.get("state") == "online")
+        if online == 0:
+            add(
+                "warn",
+                "replicas",
+                f"{n.name}: no replica online: if it fails its slots are served by nobody "
+                "(misses) until it is back",
+            )
+        else:
+            add("ok", "replicas", f"{n.name}: {online} replica(s) online")
+        try:
+            full = r.config_get("cluster-require-full-coverage", target_nodes=n).get(
+                "cluster-require-full-coverage"
+            )
+        except redis.ResponseError:
+            full = None
+        if full == "yes":
+            add(
+                "warn",
+                "full coverage",
+                f"{n.name}: cluster-require-full-coverage yes: while one master is down "
+                "every master refuses reads and writes; set it to no",
+            )
+        elif full is not None:
+            add("ok", "full coverage", f"{n.name}: cluster-require-full-coverage {full}")
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """``doctor``: 0 when the server can serve as a cache (warnings allowed), 2 otherwise."""
+    """``doctor``: 0 when the server (every master of a cluster) can serve as a cache
+    (warnings allowed), 2 otherwise."""
     import redis
 
     r = _client(args)
@@ -377,45 +541,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             lat.append((time.perf_counter() - t) * 1e3)
         add("ok", "reachable", f"PING answered in {(time.perf_counter() - t0) * 1e3:.1f} ms")
         add("ok", "latency", f"PING p50 {statistics.median(lat):.2f} ms")
-        info = r.info()
-        add("ok", "version", f"redis {info.get('redis_version')}")
-        maxmem, policy = int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy"))
-        if maxmem == 0:
-            add("warn", "maxmemory", "not set: Redis grows until the machine runs out of memory")
-        else:
-            add("ok", "maxmemory", f"{maxmem} bytes")
-        if policy == "noeviction":
-            add(
-                "warn",
-                "eviction",
-                "maxmemory-policy is noeviction: stores fail when memory is full",
-            )
-        else:
-            add("ok", "eviction", f"maxmemory-policy {policy}")
-        persist = []
-        if int(info.get("aof_enabled", 0)):
-            persist.append("AOF on")
-        try:
-            save = r.config_get("save").get("save", "")
-            if save:
-                persist.append(f"RDB save '{save}'")
-        except redis.ResponseError:
-            pass
-        add(
-            "warn" if persist else "ok",
-            "persistence",
-            ", ".join(persist) + " (a cache needs none)" if persist else "off",
-        )
+        versions = sorted({str(i.get("redis_version")) for _, i in _per_master(r, _info("server"))})
+        add("ok", "version", f"redis {', '.join(versions)}")
+        if _is_cluster(r):
+            _cluster_checks(r, add)
+        _server_checks(r, add)
     except redis.AuthenticationError as e:
         add("fail", "auth", str(e))
     except (redis.ConnectionError, redis.TimeoutError) as e:
         add("fail", "reachable", str(e))
-    except redis.ResponseError as e:
+    except redis.RedisError as e:
         add("fail", "server", str(e))
     failed = any(c["level"] == "fail" for c in checks)
     _emit(
         args,
-        {"ok": not failed, "checks": checks},
+        {"ok": not failed, "cluster": _is_cluster(r), "checks": checks},
         [[c["level"].upper(), c["check"], c["detail"]] for c in checks],
         ["", "check", "detail"],
     )
