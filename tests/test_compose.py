@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import yaml
@@ -87,3 +88,67 @@ def test_engine_image_installs_cupy_and_ships_the_kernel_source() -> None:
     # The image checks that the installed package carries the kernel's source.
     assert "block_copy.cu" in text
     assert (ROOT / "umbp_redis" / "engine" / "copy" / "block_copy.cu").is_file()
+
+
+def cluster_compose() -> dict:  # type: ignore[type-arg]
+    text = (ROOT / "docker-compose.cluster.yml").read_text()
+    return yaml.safe_load(_env_defaults(text))
+
+
+def _node_args(service: dict) -> list[str]:  # type: ignore[type-arg]
+    """The redis-server arguments of a cluster node, as its shell would expand them."""
+    script = service["command"][2].replace("${UMBP_REDIS_MAXMEMORY}", "64mb")
+    script = re.sub(r"\$\{REDIS_PASSWORD:\+[^}]*\}", "", script)  # no password set
+    return shlex.split(script.removeprefix("exec redis-server "))
+
+
+def test_cluster_compose_runs_six_cache_nodes_and_engines_that_use_them() -> None:
+    services = cluster_compose()["services"]
+    nodes = [f"redis-node-{i}" for i in range(1, 7)]
+    for n in nodes:
+        args = " ".join(_node_args(services[n]))
+        assert "--cluster-enabled yes" in args and "--maxmemory-policy allkeys-lru" in args
+        assert "--cluster-require-full-coverage no" in args
+        assert "--save  --appendonly no" in args.replace('""', "")
+        assert "ports" not in services[n]
+    init = " ".join(services["redis-cluster-init"]["command"])
+    assert "--cluster-replicas 1" in init and "cluster_state:ok" in init
+    assert set(services["redis-cluster-init"]["depends_on"]) == set(nodes)
+    for name in ("vllm", "vllm-second"):
+        svc = services[name]
+        cond = svc["depends_on"]["redis-cluster-init"]["condition"]
+        assert cond == "service_completed_successfully"
+        extra = _kv_config(svc)["kv_connector_extra_config"]
+        settings = RedisSettings.from_options(extra)
+        assert settings.cluster == "on" and settings.host == "redis-node-1" and settings.db == 0
+        assert {h for h, _ in settings.cluster_seed_nodes} == set(nodes[1:])
+        assert "password" not in extra and "UMBP_REDIS_PASSWORD" in svc["environment"]
+
+
+def test_cluster_compose_node_settings_form_a_working_cluster() -> None:
+    """The nodes' own arguments (config file, node timeout, coverage, LRU) on loopback."""
+    from umbp_redis.ops.embedded_cluster import form_cluster, free_cluster_port
+    from umbp_redis.ops.embedded_redis import EmbeddedRedis
+
+    args = _node_args(cluster_compose()["services"]["redis-node-1"])
+    taken: set[int] = set()
+    servers = []
+    try:
+        for _ in range(6):
+            port = free_cluster_port(taken)
+            srv = EmbeddedRedis(port=port)
+            node_args = [a.replace("/data/", str(srv.log_path.parent) + "/") for a in args]
+            srv.extra_args = node_args
+            servers.append(srv.start())
+        ports = [s.port for s in servers]
+        form_cluster([("127.0.0.1", p) for p in ports[:3]], [("127.0.0.1", p) for p in ports[3:]])
+        import redis as redis_py
+
+        c = redis_py.Redis(port=ports[0])
+        assert c.config_get("cluster-node-timeout")["cluster-node-timeout"] == "2000"
+        assert c.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        assert b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO")
+        c.close()
+    finally:
+        for s in servers:
+            s.cleanup()
