@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -484,3 +487,23 @@ def test_doctor_warns_about_full_coverage_and_masters_without_replicas() -> None
     levels = {(c["check"], c["level"]) for c in report["checks"]}
     assert ("replicas", "warn") in levels and ("full coverage", "warn") in levels
     assert report["ok"]  # warnings, not failures
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="bench cluster needs root, ip and tc (network namespaces)",
+)
+def test_bench_cluster_runs_and_removes_what_it_made() -> None:
+    before = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    out = cli("bench", "cluster", "--json", "--total-mib", "12", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    # Every transfer was checked byte for byte inside the bench; figures are positive.
+    for k in ("store_gbps_1_node", "store_gbps_3_masters", "load_gbps_1_node"):
+        assert res[k] > 0
+    assert res["objects"] == 6 and res["lookup_keys"] == 1000
+    after = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert after.count("\n") == before.count("\n")
+    assert (
+        "ub" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )

@@ -31,6 +31,18 @@ def register(sub: Any) -> None:
     )
     plane.add_argument("--repeats", type=int, default=3, help="runs per measurement; best is kept")
     plane.set_defaults(handler=_run_dataplane)
+    cl = targets.add_parser(
+        "cluster",
+        help="store/load GB/s and lookup p50: 1 node vs 3 masters, each behind a "
+        "rate-limited link in its own network namespace (needs root)",
+    )
+    cl.add_argument("--json", action="store_true", help="print one JSON object")
+    cl.add_argument(
+        "--rate-mbit", type=int, default=1600, help="link rate per node, each way (default 1600)"
+    )
+    cl.add_argument("--total-mib", type=int, default=192, help="MiB moved per measurement")
+    cl.add_argument("--repeats", type=int, default=3, help="interleaved rounds; best is kept")
+    cl.set_defaults(handler=_run_cluster)
     p.set_defaults(handler=lambda a: (p.print_help(), 0)[1])
 
 
@@ -59,4 +71,28 @@ def _run_dataplane(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(format_table(result))
+    return 0
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    from umbp_redis.ops.bench_cluster import (
+        NetworkSetupError,
+        format_cluster_table,
+        run_cluster_bench,
+    )
+
+    try:
+        result = run_cluster_bench(
+            rate_mbit=args.rate_mbit,
+            total_mib=args.total_mib,
+            repeats=args.repeats,
+            progress=None if args.json else sys.stderr,
+        )
+    except NetworkSetupError as e:
+        print(f"umbp-redis bench cluster: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_cluster_table(result))
     return 0
