@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -174,6 +175,11 @@ def test_map_parsers_handle_unknown_endpoints_and_failed_nodes() -> None:
     assert m.node_of(100) == ("seed-host", 7001)  # empty: the node we asked
     assert m.replicas[0] == (("10.0.0.4", 7003),)
     assert m.covered == SLOTS and len(m.masters) == 2
+    node_a: Any = shards[0][3]
+    node_a[0].extend([b"tls-port", 7100])
+    assert parse_cluster_shards(shards, "seed-host").node_of(0) == ("10.0.0.1", 7000)
+    assert parse_cluster_shards(shards, "seed-host", tls=True).node_of(0) == ("10.0.0.1", 7100)
+    assert parse_cluster_shards(shards, "seed-host", tls=True).node_of(100) == ("seed-host", 7001)
     slots = [[0, 8191, [None, 7000, b"id"]], [8192, 16000, [b"h2", 7001, b"id2"], [b"h3", 7004]]]
     m2 = parse_cluster_slots(slots, "asked")
     assert m2.node_of(5) == ("asked", 7000)

@@ -40,3 +40,32 @@ def test_prometheus_counters() -> None:
     assert reg.get_sample_value("vllm:umbp_blocks_stored_total", {"engine": "0"}) == 5
     assert reg.get_sample_value("vllm:umbp_bytes_stored_total", {"engine": "0"}) == 4096
     assert reg.get_sample_value("vllm:umbp_stores_dropped_total", {"engine": "0"}) == 1
+
+
+def test_cluster_counters_reach_the_log_line_and_prometheus_per_node() -> None:
+    reg = CollectorRegistry()
+    types: dict[type, Any] = {
+        Counter: functools.partial(Counter, registry=reg),
+        Gauge: functools.partial(Gauge, registry=reg),
+        Histogram: functools.partial(Histogram, registry=reg),
+    }
+    cfg = SimpleNamespace(kv_transfer_config=None)
+    prom = UMBPRedisConnector.build_prom_metrics(cfg, types, ["engine"], {0: ["0"]})
+    data = {
+        "cluster_moved": 2,
+        "cluster_map_refreshes": 1,
+        "cluster_node_failures": 3,
+        "node_failures@10.0.0.1:7000": 3,
+    }
+    a = UMBPConnectorStats(data=dict(data))
+    a.aggregate(UMBPConnectorStats(data={"cluster_moved": 1}))
+    red = a.reduce()
+    assert red["cluster_moved"] == 3 and red["cluster_node_failures"] == 3
+    assert "cluster_ask" not in red  # zero counters stay out of the log line
+    prom.observe(data, 0)
+    prom.observe({"node_failures@10.0.0.1:7000": 1}, 0)
+    assert reg.get_sample_value("vllm:umbp_cluster_moved_total", {"engine": "0"}) == 2
+    got = reg.get_sample_value(
+        "vllm:umbp_cluster_node_failures_by_node_total", {"engine": "0", "node": "10.0.0.1:7000"}
+    )
+    assert got == 4

@@ -56,6 +56,9 @@ class UMBPConnectorStats(KVConnectorStats):
         return not any(self.data.values()) if self.data else True
 
 
+# Per-node counters travel in the stats data as "<prefix><host:port>".
+NODE_FAILURES_PREFIX = "node_failures@"
+
 _PROM_COUNTERS = (
     ("blocks_loaded", "KV blocks loaded from Redis."),
     ("bytes_loaded", "Bytes of KV loaded from Redis."),
@@ -102,6 +105,13 @@ class UMBPPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in _PROM_COUNTERS
         }
+        self._labelnames = labelnames
+        self._per_engine_labelvalues = per_engine_labelvalues
+        self._node_failures = self._counter_cls(
+            name="vllm:umbp_cluster_node_failures_by_node_total",
+            documentation="Failed lookups, stores or loads per Redis Cluster master.",
+            labelnames=[*labelnames, "node"],
+        )
         self._per_engine = {
             idx: {n: c.labels(*values) for n, c in self._counters.items()}
             for idx, values in per_engine_labelvalues.items()
@@ -112,7 +122,13 @@ class UMBPPromMetrics(KVConnectorPromMetrics):
         metrics = self._per_engine.get(engine_idx)
         if metrics is None:
             return
+        data = transfer_stats_data or {}
         for name, metric in metrics.items():
-            value = (transfer_stats_data or {}).get(name, 0)
+            value = data.get(name, 0)
             if value:
                 metric.inc(value)  # type: ignore[union-attr]
+        values = self._per_engine_labelvalues.get(engine_idx, [])
+        for key, value in data.items():
+            if key.startswith(NODE_FAILURES_PREFIX) and value:
+                node = key[len(NODE_FAILURES_PREFIX) :]
+                self._node_failures.labels(*values, node).inc(value)  # type: ignore[union-attr]

@@ -41,6 +41,7 @@ from umbp_redis.data import (
 from umbp_redis.engine.copy.factory import make_block_copier
 from umbp_redis.engine.copy.interface import BlockCopier, CopyHandle
 from umbp_redis.engine.staging import StagingPool, staging_budget
+from umbp_redis.engine.stats import NODE_FAILURES_PREFIX
 from umbp_redis.engine.weights import weights_fingerprint
 from umbp_redis.store.deployment import DataPlane, shared_plane
 from umbp_redis.store.errors import ConfigError
@@ -508,6 +509,17 @@ class UMBPWorker:
             counters = {}
         for name in CARRIED_COUNTERS:
             now = int(counters.get(name, 0))
+            delta = now - self._seen_counters.get(name, 0)
+            self._seen_counters[name] = now
+            if delta > 0:
+                self.stats.add(**{name: delta})
+        node_counters = getattr(self.plane, "node_counters", None)
+        try:
+            per_node = node_counters() if node_counters is not None else {}
+        except Exception:
+            per_node = {}
+        for node, now in per_node.items():
+            name = f"{NODE_FAILURES_PREFIX}{node}"
             delta = now - self._seen_counters.get(name, 0)
             self._seen_counters[name] = now
             if delta > 0:

@@ -115,7 +115,7 @@ def read_slot_map(conn: RedisConnection, asked_host: str, epoch: int) -> SlotMap
         if isinstance(reply, ErrorReply):
             raise reply.exc
         return parse_cluster_slots(reply, asked_host, epoch)
-    return parse_cluster_shards(reply, asked_host, epoch)
+    return parse_cluster_shards(reply, asked_host, epoch, tls=conn.settings.tls)
 
 
 class ClusterDataPlane:

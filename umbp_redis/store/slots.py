@@ -92,10 +92,13 @@ def _build(ranges: list[tuple[int, int, Address, tuple[Address, ...]]], epoch: i
     return SlotMap(tuple(masters), tuple(owner), tuple(replicas), epoch)
 
 
-def parse_cluster_shards(reply: Any, asked_host: str, epoch: int = 0) -> SlotMap:
+def parse_cluster_shards(
+    reply: Any, asked_host: str, epoch: int = 0, *, tls: bool = False
+) -> SlotMap:
     """A ``SlotMap`` from a ``CLUSTER SHARDS`` reply (Redis 7+, Valkey 8+).
 
-    Only nodes whose health is ``online`` count; a shard whose master is not online
+    With ``tls`` a node's ``tls-port`` is used where it has one, else its ``port``. Only
+    nodes whose health is ``online`` count; a shard whose master is not online
     serves nothing (its slots are unassigned until a replica is promoted).
     """
     if not isinstance(reply, list):
@@ -111,7 +114,9 @@ def parse_cluster_shards(reply: Any, asked_host: str, epoch: int = 0) -> SlotMap
             host = n.get("endpoint")
             if host is None or _text(host) in ("", "?"):
                 host = n.get("ip")
-            addr = (_endpoint(host, asked_host), int(n.get("port") or n.get("tls-port") or 0))
+            ports = ("tls-port", "port") if tls else ("port", "tls-port")
+            port = next((int(n[p]) for p in ports if n.get(p)), 0)
+            addr = (_endpoint(host, asked_host), port)
             health = _text(n.get("health", b"online"))
             if not addr[1] or health == "fail":
                 continue
