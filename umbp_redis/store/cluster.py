@@ -39,6 +39,7 @@ from umbp_redis.store.plane import (
 from umbp_redis.store.resp import Buffer, ErrorReply, encode_command, send_buffers
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.slots import (
+    SLOTS,
     UNASSIGNED,
     Address,
     SlotMap,
@@ -270,11 +271,13 @@ class ClusterDataPlane:
             self.warm_up()
 
     def _watch_suspects(self, m: SlotMap | None, now: float) -> None:
-        """Re-read the map after the refresh gap while it names a master that failed in
-        the last ``_SUSPECT_WATCH_S`` (until its replica is promoted)."""
+        """Re-read the map after the refresh gap while a master that failed in the last
+        ``_SUSPECT_WATCH_S`` is still in it or its slots are served by nobody (until its
+        replica is promoted)."""
         with self._counts_lock:
             for addr, at in list(self._suspects.items()):
-                if now - at > _SUSPECT_WATCH_S or m is None or addr not in m.masters:
+                replaced = m is not None and addr not in m.masters and m.covered == SLOTS
+                if now - at > _SUSPECT_WATCH_S or replaced:
                     del self._suspects[addr]
             watch = bool(self._suspects)
         if watch and not self._closed:
@@ -435,10 +438,15 @@ class ClusterDataPlane:
             return out
         self._maybe_periodic()
         groups: dict[tuple[Address, bool], list[int]] = {}
+        unserved = 0
         for i, (key, _) in enumerate(items):
             node = m.node_of(key_slot(key if isinstance(key, bytes) else key.encode()))
             if node is not None:
                 groups.setdefault((node, False), []).append(i)
+            else:
+                unserved += 1
+        if unserved:
+            self.refresh_map(f"{what} of unserved slots")
         for attempt in range(2):
             if not groups:
                 break
