@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import binascii
 import json
 import os
 import random
@@ -17,6 +18,8 @@ import redis
 from test_cli import cli, fill
 from typed_redis import raw
 
+from umbp_redis.data.keys import KEY_PREFIX
+from umbp_redis.data.namespace import UMBPNamespace
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.store.cluster import ClusterDataPlane, ClusterLookupEncoder
@@ -79,6 +82,16 @@ def test_key_slot_is_the_servers(cluster: EmbeddedCluster) -> None:
     for k in keys:
         assert key_slot(k) == c.execute_command("CLUSTER", "KEYSLOT", k), k
     c.close()
+
+
+def test_keys_never_carry_hash_tags() -> None:
+    """A key's slot is the CRC16 of the whole key: no namespace can add a {tag}."""
+    for bad in ("ns{x}", "{ns}", "a}b", "a{b"):
+        with pytest.raises(ValueError, match="key_namespace"):
+            UMBPNamespace(bad)
+    ns = UMBPNamespace("team.a-1")
+    key = f"{KEY_PREFIX}:{ns.value}:tp3:pcp0:dcp0:pp0:g0:{'ab' * 32}".encode()
+    assert key_slot(key) == binascii.crc_hqx(key, 0) % SLOTS
 
 
 def test_slot_map_read_from_the_cluster_matches_cluster_slots(cluster: EmbeddedCluster) -> None:
