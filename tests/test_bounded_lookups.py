@@ -17,6 +17,7 @@ import redis
 from fake_servers import FakeServer
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
+from umbp_redis.store.deployment import open_plane
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
 from umbp_redis.store.settings import RedisSettings
 
@@ -209,16 +210,25 @@ def test_client_setname_is_best_effort(secured: EmbeddedRedis) -> None:
     plane.close()
 
 
-def test_the_documented_minimal_acl_is_enough(own_redis: EmbeddedRedis) -> None:
+def documented_acl() -> list[str]:
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
     rule = next(ln for ln in doc.splitlines() if ln.startswith("ACL SETUSER umbp "))
+    return rule.replace(">SECRET", ">acl-pass").split()
+
+
+def test_the_documented_minimal_acl_is_enough(
+    own_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
     r = redis.Redis.from_url(own_redis.url)
-    r.execute_command(*rule.replace(">SECRET", ">acl-pass").split())
+    r.execute_command(*documented_acl())
     for refresh in (True, False):
         url = f"redis://umbp:acl-pass@127.0.0.1:{own_redis.port}/1"  # SELECT is allowed
-        plane = make_plane(url, refresh_ttl_on_lookup=refresh)
+        # cluster: auto asks the server (INFO) and finds a standalone one, quietly.
+        with caplog.at_level(logging.WARNING):
+            plane = open_plane(RedisSettings.from_url(url, refresh_ttl_on_lookup=refresh))
+        assert isinstance(plane, RedisDataPlane) and not caplog.records
         k, bad = keys_for(2, f"acl{int(refresh)}")
         payload = np.arange(4096, dtype=np.uint8)
         assert plane.store([(k, payload)], FP) == [StoreStatus.STORED]

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from test_bounded_lookups import documented_acl
 from test_cli import cli, fill
 from typed_redis import raw
 
@@ -540,3 +541,22 @@ def test_bench_cluster_runs_and_removes_what_it_made() -> None:
     assert (
         "ub" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     )
+
+
+def test_the_documented_minimal_acl_works_on_a_cluster(clean_cluster: EmbeddedCluster) -> None:
+    for n in clean_cluster.nodes:  # ACLs are per node
+        c = clean_cluster.client(n)
+        c.execute_command(*documented_acl())
+        c.close()
+    url = clean_cluster.url.replace("redis://", "redis://umbp:acl-pass@")
+    plane = cluster_plane(url)
+    keys = keys_for(30, "acl")
+    data = payloads(30, seed=6)
+    assert plane.store([(k, data[i]) for i, k in enumerate(keys)], FP) == [StoreStatus.STORED] * 30
+    assert plane.lookup(keys) == [True] * 30
+    out = np.zeros_like(data)
+    assert plane.load([(k, out[i]) for i, k in enumerate(keys)], FP) == [LoadStatus.LOADED] * 30
+    assert np.array_equal(out, data)
+    assert plane.delete(keys) == 30
+    assert plane.counters()["auth_failures"] == 0
+    plane.close()
