@@ -560,3 +560,21 @@ def test_the_documented_minimal_acl_works_on_a_cluster(clean_cluster: EmbeddedCl
     assert plane.delete(keys) == 30
     assert plane.counters()["auth_failures"] == 0
     plane.close()
+
+
+def test_seed_nodes_serve_when_the_url_node_is_down(clean_cluster: EmbeddedCluster) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    seeds = [f"127.0.0.1:{n.port}" for n in clean_cluster.replicas]
+    plane = open_plane(
+        RedisSettings.from_url(dead, cluster=True, cluster_seed_nodes=seeds, connect_timeout_s=0.2)
+    )
+    assert isinstance(plane, ClusterDataPlane)
+    deadline = time.monotonic() + 5
+    while plane.slot_map is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    m = plane.slot_map
+    assert m is not None and m.covered == SLOTS  # read from a replica: masters listed
+    keys = keys_for(10, "seed")
+    data = payloads(10, seed=8)
+    assert plane.store([(k, data[i]) for i, k in enumerate(keys)], FP) == [StoreStatus.STORED] * 10
+    plane.close()
