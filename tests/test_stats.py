@@ -13,6 +13,18 @@ from umbp_redis.engine.stats import UMBPConnectorStats
 from umbp_redis.engine.worker import WorkerStats
 
 
+def prometheus_metrics() -> tuple[CollectorRegistry, Any]:
+    """A private registry and the connector's metrics registered in it (one engine "0")."""
+    reg = CollectorRegistry()
+    types: dict[type, Any] = {
+        Counter: functools.partial(Counter, registry=reg),
+        Gauge: functools.partial(Gauge, registry=reg),
+        Histogram: functools.partial(Histogram, registry=reg),
+    }
+    cfg = SimpleNamespace(kv_transfer_config=None)
+    return reg, UMBPRedisConnector.build_prom_metrics(cfg, types, ["engine"], {0: ["0"]})
+
+
 def test_stats_aggregate_and_reduce() -> None:
     ws = WorkerStats()
     ws.add(blocks_loaded=3, bytes_loaded=3_000_000, loads=2, load_ms_total=10.0)
@@ -27,14 +39,7 @@ def test_stats_aggregate_and_reduce() -> None:
 
 
 def test_prometheus_counters() -> None:
-    reg = CollectorRegistry()
-    types: dict[type, Any] = {
-        Counter: functools.partial(Counter, registry=reg),
-        Gauge: functools.partial(Gauge, registry=reg),
-        Histogram: functools.partial(Histogram, registry=reg),
-    }
-    cfg = SimpleNamespace(kv_transfer_config=None)
-    prom = UMBPRedisConnector.build_prom_metrics(cfg, types, ["engine"], {0: ["0"]})
+    reg, prom = prometheus_metrics()
     prom.observe({"blocks_stored": 4, "bytes_stored": 4096, "stores_dropped": 1}, 0)
     prom.observe({"blocks_stored": 1}, 0)
     assert reg.get_sample_value("vllm:umbp_blocks_stored_total", {"engine": "0"}) == 5
@@ -43,14 +48,7 @@ def test_prometheus_counters() -> None:
 
 
 def test_cluster_counters_reach_the_log_line_and_prometheus_per_node() -> None:
-    reg = CollectorRegistry()
-    types: dict[type, Any] = {
-        Counter: functools.partial(Counter, registry=reg),
-        Gauge: functools.partial(Gauge, registry=reg),
-        Histogram: functools.partial(Histogram, registry=reg),
-    }
-    cfg = SimpleNamespace(kv_transfer_config=None)
-    prom = UMBPRedisConnector.build_prom_metrics(cfg, types, ["engine"], {0: ["0"]})
+    reg, prom = prometheus_metrics()
     data = {
         "cluster_moved": 2,
         "cluster_map_refreshes": 1,
