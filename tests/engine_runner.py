@@ -161,6 +161,16 @@ def main(spec_path: str) -> None:
         elif op == "evicted":
             r = redis.Redis.from_url(phase["url"])
             results[phase["name"]] = int(r.info("stats")["evicted_keys"])
+        elif op == "wrongtype":  # one stored key now holds a string: loads get WRONGTYPE
+            r = redis.Redis.from_url(phase["url"])
+            key = sorted(r.scan_iter(match="umbp:vllm:v1:*", count=1000))[0]
+            r.set(key, b"not a KV object")
+            results[phase["name"]] = key.decode()
+        elif op == "plane_counters":  # the in-process engine's data-plane counters
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            worker = cast(Any, get_kv_transfer_group())._worker
+            results[phase["name"]] = worker.plane.counters()
         elif op == "kill_pid":  # a crash of a Redis node (SIGKILL)
             import signal
 

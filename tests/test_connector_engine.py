@@ -257,6 +257,48 @@ def test_cold_then_warm_on_a_cluster_with_a_master_killed_mid_run(
     assert "Traceback" not in log
 
 
+@pytest.mark.parametrize("quarantine_s", [300, 0])
+def test_a_block_that_fails_to_load_is_not_offered_again(
+    work: Path,
+    tiny_model: Path,
+    baseline: dict,  # type: ignore[type-arg]
+    quarantine_s: int,
+) -> None:
+    """A value whose load fails (WRONGTYPE: it stays) is quarantined; without the
+    quarantine each new request fails on it again, but never loops on it: vLLM asks
+    again after a failed load at the prompt's start, and the request gets no hits."""
+    with EmbeddedRedis() as srv:
+        url = srv.url
+        phases = [
+            {"op": "generate", "name": "cold"},
+            {"op": "wrongtype", "url": url, "name": "bad_key"},
+            {"op": "reset"},
+            {"op": "generate", "name": "first"},
+            {"op": "plane_counters", "name": "after_first"},
+            {"op": "reset"},
+            {"op": "generate", "name": "second"},
+            {"op": "plane_counters", "name": "after_second"},
+        ]
+        res = run_engine(
+            work,
+            f"quarantine{quarantine_s}",
+            tiny_model,
+            connector(url, load_failure_quarantine_s=quarantine_s),
+            phases,
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
+        )
+    for phase in ("cold", "first", "second"):
+        assert tokens(res[phase]) == tokens(baseline), phase
+    failed_first = res["after_first"]["load_errors"]
+    assert failed_first >= 1  # the WRONGTYPE value failed its load and was recomputed
+    if quarantine_s:
+        # The next requests do not try it again (and still hit what precedes it).
+        assert res["after_second"]["load_errors"] == failed_first
+    else:
+        assert res["after_second"]["load_errors"] > failed_first
+    assert res["after_second"]["loaded_objects"] > res["after_first"]["loaded_objects"]
+
+
 def test_unreachable_redis_at_startup(work: Path, tiny_model: Path, baseline: dict) -> None:  # type: ignore[type-arg]
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"

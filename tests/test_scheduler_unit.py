@@ -488,3 +488,65 @@ def test_workers_with_other_parallel_sizes_disable_lookups(model_config: ModelCo
     s.adopt_handshake({(0, 0): UMBPHandshakeMetadata("abc", RankTopology(tp_size=1))})
     assert s.codec is None
     assert s.get_num_new_matched_tokens(request(600), 0) == (0, False)
+
+
+def test_blocks_whose_load_failed_are_not_offered_again_for_a_while(
+    model_config: ModelConfig,
+) -> None:
+    import time
+
+    from umbp_redis.data import UMBPConnectorWorkerMetadata
+    from umbp_redis.engine import scheduler as sched_mod
+
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, load_failure_quarantine_s=0.3)
+    req = request(4 * BS + 5)
+    assert s.codec is not None
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
+    assert s.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    # A worker reports block 2's load failed (invalid or error reply).
+    out = SimpleNamespace(
+        finished_recving=None,
+        kv_connector_worker_meta=UMBPConnectorWorkerMetadata({}, (req.block_hashes[2],)),
+    )
+    s.update_connector_output(out)  # type: ignore[arg-type]
+    req2 = request(4 * BS + 5, rid="r2")
+    assert s.get_num_new_matched_tokens(req2, 0) == (2 * BS, True)  # cut before block 2
+    assert s.quarantine_skips == 1
+    # Stored again by a worker (valid): offered at once.
+    s.update_connector_output(
+        SimpleNamespace(  # type: ignore[arg-type]
+            finished_recving=None,
+            kv_connector_worker_meta=UMBPConnectorWorkerMetadata({}, (), (req.block_hashes[2],)),
+        )
+    )
+    assert s.get_num_new_matched_tokens(request(4 * BS + 5, rid="r2b"), 0) == (4 * BS, True)
+    s.update_connector_output(out)  # type: ignore[arg-type]
+    time.sleep(0.35)
+    req3 = request(4 * BS + 5, rid="r3")
+    assert s.get_num_new_matched_tokens(req3, 0) == (4 * BS, True)  # expired
+    assert not s.quarantine
+    # Bounded memory.
+    many = tuple(i.to_bytes(32, "big") for i in range(sched_mod.QUARANTINE_MAX_BLOCKS + 10))
+    s._quarantine_failed(many)
+    assert len(s.quarantine) == sched_mod.QUARANTINE_MAX_BLOCKS
+    # 0 turns it off across requests; the request whose load failed is offered no more
+    # hits all the same (vLLM asks it again after a failed load at the prompt's start:
+    # the same value would fail forever).
+    off_plane = ScriptedDataPlane()
+    off = make_scheduler(model_config, off_plane, load_failure_quarantine_s=0)
+    assert off.codec is not None
+    off_plane.present = {off.codec.key(h, 0) for h in req.block_hashes}
+    failing = request(4 * BS + 5, rid="f1")
+    assert off.get_num_new_matched_tokens(failing, 0) == (4 * BS, True)
+    off.update_connector_output(
+        SimpleNamespace(  # type: ignore[arg-type]
+            finished_recving=None,
+            kv_connector_worker_meta=UMBPConnectorWorkerMetadata(
+                {}, (failing.block_hashes[0],), (), ("f1",)
+            ),
+        )
+    )
+    assert not off.quarantine
+    assert off.get_num_new_matched_tokens(failing, 0) == (0, False)
+    assert off.get_num_new_matched_tokens(request(4 * BS + 5, rid="f2"), 0) == (4 * BS, True)

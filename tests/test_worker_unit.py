@@ -24,7 +24,7 @@ from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.settings import RedisSettings, validate_options
 
 NB = 16
-H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+H1, H2, H3, H4 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32, b"\x04" * 32
 
 
 @pytest.fixture(scope="module")
@@ -369,6 +369,31 @@ def test_a_value_of_another_block_is_never_loaded_and_only_invalid_values_are_re
         assert not page_bytes(dst_caches[name], 9, NB).any()  # nothing was scattered
     assert not r.exists(k2)  # the invalid value was removed, so a store replaces it
     assert r.get(k3) == b"someone else's string"  # an error reply deletes nothing
+    # The error is reported to the scheduler (its quarantine), once; the invalid value
+    # is gone (a miss until stored again), nothing to quarantine.
+    meta = dst.build_worker_meta()
+    assert meta is not None and meta.failed_loads == (H3,) and meta.failed_requests == ("r2",)
+    assert dst.build_worker_meta() is None
+    # A missing value is not a failure of an object: nothing to quarantine.
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r3", (H4,), (11,), (0,))]))
+    assert wait_loaded(dst, "r3") == {11}
+    assert dst.build_worker_meta() is None
+    # The engine recomputes H3 and stores it again: the same WRONGTYPE, still failed.
+    # Once the foreign key is gone the store succeeds and H3 is reported repaired.
+    for event_id in (5, 6):
+        step(
+            dst,
+            UMBPConnectorMetadata(
+                stores=[BlockStoreBatch("r4", (H3,), (10,), (0,), event_id=event_id)]
+            ),
+        )
+        deadline = time.monotonic() + 10
+        while not dst.idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        meta = dst.build_worker_meta()
+        assert meta is not None
+        assert meta.repaired_loads == (() if event_id == 5 else (H3,))
+        r.delete(k3)
 
 
 def test_unplannable_loads_fail_at_once_and_cancel_bookkeeping_is_bounded(

@@ -54,9 +54,20 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker completions of one step, aggregated across ranks."""
+    """Worker completions of one step, aggregated across ranks.
+
+    ``failed_loads``: block hashes whose load failed on a worker (an invalid value or an
+    error reply): the scheduler stops offering them as hits for a while.
+    ``repaired_loads``: such blocks stored again (valid) since: offered again.
+    ``failed_requests``: requests one of whose loads failed that way: they are offered
+    no more Redis hits (vLLM asks again after a failed load at the prompt's start; the
+    same failing value must not be loaded over and over).
+    """
 
     store_results: dict[int, StoreEventResult] = field(default_factory=dict)
+    failed_loads: tuple[bytes, ...] = ()
+    repaired_loads: tuple[bytes, ...] = ()
+    failed_requests: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPConnectorWorkerMetadata:
         """Merge another rank's completions into a new object (neither input changes)."""
@@ -65,7 +76,10 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
         merged = dict(self.store_results)
         for eid, res in other.store_results.items():
             merged[eid] = merged[eid].merge(res) if eid in merged else res
-        return UMBPConnectorWorkerMetadata(merged)
+        failed = tuple(dict.fromkeys(self.failed_loads + other.failed_loads))
+        repaired = tuple(dict.fromkeys(self.repaired_loads + other.repaired_loads))
+        requests = tuple(dict.fromkeys(self.failed_requests + other.failed_requests))
+        return UMBPConnectorWorkerMetadata(merged, failed, repaired, requests)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+
+# Blocks the load-failure quarantine remembers at most (the oldest are forgotten).
+QUARANTINE_MAX_BLOCKS = 65536
 
 # Block hash algorithms of vLLM that are not collision resistant against crafted input.
 _WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
@@ -84,6 +88,7 @@ class _RequestState:
     tracker: RequestTracker
     local_tokens: int = 0
     hit_blocks: int = 0  # blocks [0, hit_blocks) are known to be in Redis
+    load_failed: bool = False  # a load of it failed on a value that would fail again
     # Encoded lookup commands of blocks [0, len(lookup_cmds)), built once per block.
     lookup_cmds: list[Any] = field(default_factory=list)
     # The codec and the plane's lookup mode the commands were built with.
@@ -166,6 +171,10 @@ class UMBPScheduler:
             warm_up()  # the lookup connection is made now, off the scheduler thread
         self._refresh_ttl = bool(options["refresh_ttl_on_lookup"])
         self.report_timeout_s = float(options["store_report_timeout_s"])
+        self.quarantine_s = float(options["load_failure_quarantine_s"])
+        # Block hash -> monotonic time until which it is not offered as a hit.
+        self.quarantine: OrderedDict[bytes, float] = OrderedDict()
+        self.quarantine_skips = 0
         self.stale_pins_released = 0
         # Per block-hash length: the codec they were built for and the encoder.
         # Per hash length: the codec and lookup mode it was built for, and the encoder.
@@ -282,7 +291,7 @@ class UMBPScheduler:
         """
         st = self._state(request)
         st.local_tokens = num_computed_tokens
-        if not self.can_load or self.codec is None:
+        if not self.can_load or self.codec is None or st.load_failed:
             return 0, False
         bs = self.block_size
         max_blocks = (request.num_prompt_tokens - 1) // bs  # the last token is computed
@@ -309,16 +318,45 @@ class UMBPScheduler:
         if replies is None or len(replies) != count:
             return 0, False
         hits = 0
+        now = time.monotonic() if self.quarantine else 0.0
         for b in range(start, n_blocks):
-            if sum(replies[b * replies_per_block : (b + 1) * replies_per_block]) == per_block:
-                hits += 1
-            else:
+            if sum(replies[b * replies_per_block : (b + 1) * replies_per_block]) != per_block:
                 break
+            if now and self._quarantined(request, b, now):
+                self.quarantine_skips += 1
+                break
+            hits += 1
         st.hit_blocks = max(st.hit_blocks, start + hits)
         tokens = (start + hits) * bs - num_computed_tokens
         if tokens <= 0:
             return 0, False
         return tokens, self.load_async
+
+    def _quarantined(self, request: Request, index: int, now: float) -> bool:
+        h = self._hash_of_block(request, index)
+        until = self.quarantine.get(h) if h is not None else None
+        if until is None:
+            return False
+        if until <= now:
+            del self.quarantine[h]  # type: ignore[arg-type]
+            return False
+        return True
+
+    def _quarantine_failed(self, hashes: tuple[bytes, ...]) -> None:
+        """Stop offering blocks whose load failed as hits for ``load_failure_quarantine_s``."""
+        if self.quarantine_s <= 0 or not hashes:
+            return
+        until = time.monotonic() + self.quarantine_s
+        for h in hashes:
+            self.quarantine[h] = until
+            self.quarantine.move_to_end(h)
+        while len(self.quarantine) > QUARANTINE_MAX_BLOCKS:
+            self.quarantine.popitem(last=False)
+        log.info(
+            "umbp-redis: %d blocks failed to load; not offered as hits for %.0fs",
+            len(hashes),
+            self.quarantine_s,
+        )
 
     def _alloc_fallback(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         """vLLM was promised ``num_external_tokens``: report their blocks failed instead."""
@@ -541,6 +579,13 @@ class UMBPScheduler:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, UMBPConnectorWorkerMetadata):
             return
+        self._quarantine_failed(meta.failed_loads)
+        for h in meta.repaired_loads:  # stored again, valid: a hit again
+            self.quarantine.pop(h, None)
+        for rid in meta.failed_requests:
+            st = self.requests.get(rid)
+            if st is not None:
+                st.load_failed = True
         for eid, res in meta.store_results.items():
             ev = self.pinned.get(eid)
             if ev is None:

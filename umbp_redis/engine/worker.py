@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Failed-load block hashes one report carries at most (the oldest are dropped).
+MAX_FAILED_LOADS_REPORTED = 4096
+
 # Data-plane counters carried into vLLM's stats (as deltas per interval).
 CARRIED_COUNTERS = (
     "auth_failures",
@@ -171,6 +174,12 @@ class UMBPWorker:
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._store_reports: dict[int, StoreEventResult] = {}
+        # Block hashes whose load failed (invalid or error) since the last report; those
+        # reported lately (bounded); those of them stored again since the last report.
+        self._failed_loads: dict[bytes, None] = {}
+        self._recent_failed: dict[bytes, None] = {}
+        self._repaired: dict[bytes, None] = {}
+        self._failed_requests: dict[str, None] = {}
         # (event id, keys, gather) of launched gathers not yet reported (engine thread).
         self._unreported_gathers: list[tuple[int, frozenset[str], CopyHandle]] = []
         self._cancelled: set[str] = set()
@@ -400,6 +409,14 @@ class UMBPWorker:
                     for i in idx
                 ]
                 res = self.plane.store(items, fp)
+                if self._recent_failed:
+                    self._note_repaired(
+                        [
+                            plans[i].block_hash
+                            for i, s in zip(idx, res, strict=True)
+                            if s is StoreStatus.STORED
+                        ]
+                    )
                 ok = [
                     plans[i].object_size
                     for i, s in zip(idx, res, strict=True)
@@ -441,11 +458,29 @@ class UMBPWorker:
             invalid = [
                 p.key for p, st in zip(plans, statuses, strict=True) if st is LoadStatus.INVALID
             ]
+            removed = 0
             if invalid:
                 # A damaged or foreign object would fail every engine until its TTL runs
                 # out; remove it so the next store replaces it.
                 log.warning("umbp-redis: %d invalid objects removed (recomputing)", len(invalid))
-                self.plane.delete(invalid)
+                removed = self.plane.delete(invalid)
+            # Blocks that would fail again: error replies (the value stays), and invalid
+            # values that could not be removed. A removed one is a miss until stored again.
+            stuck = (
+                (LoadStatus.ERROR,)
+                if removed == len(invalid)
+                else (LoadStatus.ERROR, LoadStatus.INVALID)
+            )
+            bad = [p.block_hash for p, st in zip(plans, statuses, strict=True) if st in stuck]
+            if bad:
+                with self._lock:
+                    self._failed_requests[batch.request_id] = None
+                    for h in bad:
+                        self._failed_loads[h] = None
+                        self._recent_failed[h] = None
+                    for d in (self._failed_loads, self._recent_failed):
+                        while len(d) > MAX_FAILED_LOADS_REPORTED:
+                            del d[next(iter(d))]
             loaded = [i for i, st in enumerate(statuses) if st is LoadStatus.LOADED]
             failed = {
                 p.block_id for i, p in enumerate(plans) if statuses[i] is not LoadStatus.LOADED
@@ -526,12 +561,27 @@ class UMBPWorker:
                 self.stats.add(**{name: delta})
         return self.stats.take()
 
+    def _note_repaired(self, stored: list[bytes]) -> None:
+        """Blocks whose load had failed and that are now stored again (valid): the
+        scheduler may offer them as hits again."""
+        with self._lock:
+            for h in stored:
+                if h in self._recent_failed:
+                    del self._recent_failed[h]
+                    self._repaired[h] = None
+
     def build_worker_meta(self) -> UMBPConnectorWorkerMetadata | None:
-        """The store-event reports since the last call (gathers found done now included)."""
+        """The store-event reports, the block hashes whose load failed and those stored
+        again after a failed load, since the last call (gathers found done now included)."""
         self._report_finished_gathers()
         with self._lock:
             reports, self._store_reports = self._store_reports, {}
-        return UMBPConnectorWorkerMetadata(reports) if reports else None
+            failed, self._failed_loads = tuple(self._failed_loads), {}
+            repaired, self._repaired = tuple(self._repaired), {}
+            requests, self._failed_requests = tuple(self._failed_requests), {}
+        if not (reports or failed or repaired or requests):
+            return None
+        return UMBPConnectorWorkerMetadata(reports, failed, repaired, requests)
 
     def idle(self) -> bool:
         """No transfer in flight."""

@@ -206,6 +206,15 @@ OPTIONS: tuple[Option, ...] = (
         choices=("auto", "cupy", "torch"),
     ),
     Option(
+        "load_failure_quarantine_s",
+        (int, float),
+        300.0,
+        "A block whose load failed (invalid value, error reply) is not offered as a hit "
+        "again for this long, so one bad object does not cost a failed load per request "
+        "(0: no quarantine). At most 65536 blocks are remembered.",
+        minimum=0.0,
+    ),
+    Option(
         "store_report_timeout_s",
         (int, float),
         120.0,
