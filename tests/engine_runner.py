@@ -57,6 +57,20 @@ def main(spec_path: str) -> None:
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     extra = spec.get("engine_args", {})
+    sub: Any = None
+    if spec.get("kv_events_port"):
+        import zmq
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"tcp://*:{spec['kv_events_port']}",
+            topic="kv",
+        )
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{spec['kv_events_port']}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     llm = LLM(
         model=spec["model"],
         max_model_len=spec.get("max_model_len", 2048),
@@ -161,6 +175,29 @@ def main(spec_path: str) -> None:
         elif op == "evicted":
             r = redis.Redis.from_url(phase["url"])
             results[phase["name"]] = int(r.info("stats")["evicted_keys"])
+        elif op == "kv_events":  # every KV event batch published so far (ZMQ subscriber)
+            import msgspec
+            import zmq
+            from vllm.distributed.kv_events import KVEventBatch
+
+            assert sub is not None, "spec needs kv_events_port"
+            decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+            events = []
+            deadline = time.time() + phase.get("wait_s", 3.0)
+            while time.time() < deadline:
+                if not sub.poll(100):
+                    continue
+                _topic, _seq, payload = sub.recv_multipart(flags=zmq.NOBLOCK)
+                for ev in decoder.decode(payload).events:
+                    hashes = getattr(ev, "block_hashes", [])
+                    events.append(
+                        {
+                            "type": type(ev).__name__,
+                            "medium": getattr(ev, "medium", None),
+                            "hashes": [h.hex() if isinstance(h, bytes) else h for h in hashes],
+                        }
+                    )
+            results[phase["name"]] = events
         elif op == "wrongtype":  # one stored key now holds a string: loads get WRONGTYPE
             r = redis.Redis.from_url(phase["url"])
             key = sorted(r.scan_iter(match="umbp:vllm:v1:*", count=1000))[0]

@@ -299,6 +299,32 @@ def test_a_block_that_fails_to_load_is_not_offered_again(
     assert res["after_second"]["loaded_objects"] > res["after_first"]["loaded_objects"]
 
 
+def test_kv_cache_events_announce_what_redis_holds(
+    work: Path,
+    tiny_model: Path,
+    baseline: dict,  # type: ignore[type-arg]
+) -> None:
+    with EmbeddedRedis() as srv:
+        phases = [
+            {"op": "sleep", "seconds": 1},  # the subscriber joins before anything is sent
+            {"op": "generate", "name": "cold", "settle_s": 2.0},
+            {"op": "generate", "name": "again"},  # later steps carry the last reports
+            {"op": "kv_events", "name": "events"},
+        ]
+        res = run_engine(
+            work, "events", tiny_model, connector(srv.url), phases, kv_events_port=free_port()
+        )
+        stored_keys = len(list(redis.Redis.from_url(srv.url).scan_iter(match="umbp:vllm:v1:*")))
+    assert tokens(res["cold"]) == tokens(baseline)
+    redis_events = [e for e in res["events"] if e["medium"] == "REDIS"]
+    assert redis_events and {e["type"] for e in redis_events} == {"BlockStored"}
+    announced = [h for e in redis_events for h in e["hashes"]]
+    # Every stored block announced exactly once (TP=1: one object a block).
+    assert len(announced) == len(set(announced)) == stored_keys == 2 + len(PROMPTS)
+    # vLLM's own (GPU-medium) events still flow alongside.
+    assert any(e["medium"] != "REDIS" and e["type"] == "BlockStored" for e in res["events"])
+
+
 def test_unreachable_redis_at_startup(work: Path, tiny_model: Path, baseline: dict) -> None:  # type: ignore[type-arg]
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"

@@ -129,9 +129,10 @@ def test_worker_metadata_aggregates_across_ranks() -> None:
 
 
 def test_failed_loads_of_every_rank_are_merged_once() -> None:
-    r0 = UMBPConnectorWorkerMetadata({}, (b"a", b"b"), (), ("r1",))
+    r0 = UMBPConnectorWorkerMetadata({}, (b"a", b"b"), (), ("r1",), (b"x",))
     r1 = UMBPConnectorWorkerMetadata({1: StoreEventResult(1)}, (b"b", b"c"), (b"d",), ("r1",))
     agg = r0.aggregate(r1)
     assert agg.failed_requests == ("r1",) and agg.repaired_loads == (b"d",)
+    assert agg.removed_blocks == (b"x",)
     assert agg.failed_loads == (b"a", b"b", b"c") and agg.store_results[1].finished_workers == 1
     assert r0.failed_loads == (b"a", b"b")

@@ -550,3 +550,90 @@ def test_blocks_whose_load_failed_are_not_offered_again_for_a_while(
     assert not off.quarantine
     assert off.get_num_new_matched_tokens(failing, 0) == (0, False)
     assert off.get_num_new_matched_tokens(request(4 * BS + 5, rid="f2"), 0) == (4 * BS, True)
+
+
+def test_kv_events_say_stored_once_every_worker_stored_and_removed_when_deleted(
+    model_config: ModelConfig,
+) -> None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from umbp_redis.data import StoreEventResult, UMBPConnectorWorkerMetadata
+
+    s = make_scheduler(model_config, ScriptedDataPlane(), tp=2)
+    assert s.kv_events is False  # off unless vLLM's --kv-events-config enables them
+    s.kv_events = True
+    assert s.num_workers == 2
+    req = request(3 * BS + 40)
+    req.all_token_ids = list(range(1000, 1000 + 3 * BS + 40))  # type: ignore[attr-defined]
+    s.get_num_new_matched_tokens(req, 0)
+    meta = s.build_connector_meta(
+        _step(new=[("r1", ([1, 2, 3, 4],), 0)], sched={"r1": 3 * BS + 40})
+    )
+    (batch,) = meta.stores
+    eid = batch.event_id
+
+    def report(result: StoreEventResult, **kw: Any) -> None:
+        s.update_connector_output(
+            SimpleNamespace(  # type: ignore[arg-type]
+                finished_recving=None,
+                kv_connector_worker_meta=UMBPConnectorWorkerMetadata({eid: result}, **kw),
+            )
+        )
+
+    report(StoreEventResult(eid, 1))
+    assert s.take_events() == []  # one rank of two: not in Redis yet
+    report(StoreEventResult(eid, 1))
+    events = s.take_events()
+    assert [type(e) for e in events] == [BlockStored] * 3 and s.take_events() == []
+    conv = [maybe_convert_block_hash(h) for h in req.block_hashes[:3]]  # type: ignore[arg-type]
+    assert [e.block_hashes for e in events] == [[c] for c in conv]
+    assert [e.parent_block_hash for e in events] == [None, conv[0], conv[1]]
+    assert events[1].token_ids == req.all_token_ids[BS : 2 * BS]  # type: ignore[attr-defined]
+    assert {e.medium for e in events} == {"REDIS"} and {e.group_idx for e in events} == {0}
+    # A store that failed on a rank is not announced; a value deleted as invalid is.
+    req2 = request(BS + 5, rid="r2")
+    req2.block_hashes = [b"\x77" * 32]
+    req2.all_token_ids = list(range(BS + 5))  # type: ignore[attr-defined]
+    s.get_num_new_matched_tokens(req2, 0)
+    meta = s.build_connector_meta(_step(new=[("r2", ([7, 8],), 0)], sched={"r2": BS + 5}))
+    eid = meta.stores[0].event_id
+    report(StoreEventResult(eid, 2, frozenset({"k"})), removed_blocks=(req.block_hashes[1],))
+    (removed,) = s.take_events()
+    # The same blocks stored again by another request soon after: announced once, except
+    # the one removed meanwhile.
+    again = request(3 * BS + 40, rid="r3")
+    again.all_token_ids = req.all_token_ids  # type: ignore[attr-defined]
+    s.get_num_new_matched_tokens(again, 0)
+    meta = s.build_connector_meta(
+        _step(new=[("r3", ([11, 12, 13, 14],), 0)], sched={"r3": 3 * BS + 40})
+    )
+    eid = meta.stores[0].event_id
+    report(StoreEventResult(eid, 2))
+    assert [e.block_hashes for e in s.take_events()] == [[conv[1]]]
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [conv[1]]
+    assert removed.medium == "REDIS"
+
+
+def test_blocks_in_the_local_cache_or_planned_this_step_are_not_stored_twice(
+    model_config: ModelConfig,
+) -> None:
+    s = make_scheduler(model_config, ScriptedDataPlane())
+    # Every prompt block is in vLLM's local cache (no lookup needed): nothing to store.
+    local = request(3 * BS + 40, rid="local")
+    assert s.get_num_new_matched_tokens(local, 3 * BS) == (0, False)
+    meta = s.build_connector_meta(
+        _step(new=[("local", ([1, 2, 3, 4],), 3 * BS)], sched={"local": 40})
+    )
+    assert meta.stores == []
+    # Two requests computing the same blocks in one step: each block is stored once.
+    a, b = request(2 * BS + 5, rid="a"), request(2 * BS + 5, rid="b")
+    for r in (a, b):
+        s.get_num_new_matched_tokens(r, 0)
+    meta = s.build_connector_meta(
+        _step(
+            new=[("a", ([5, 6, 7],), 0), ("b", ([8, 9, 10],), 0)],
+            sched={"a": 2 * BS + 5, "b": 2 * BS + 5},
+        )
+    )
+    assert [list(x.block_ids) for x in meta.stores] == [[5, 6]]

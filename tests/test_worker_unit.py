@@ -373,6 +373,7 @@ def test_a_value_of_another_block_is_never_loaded_and_only_invalid_values_are_re
     # is gone (a miss until stored again), nothing to quarantine.
     meta = dst.build_worker_meta()
     assert meta is not None and meta.failed_loads == (H3,) and meta.failed_requests == ("r2",)
+    assert meta.removed_blocks == (H2,)  # for KV cache events: Redis no longer holds it
     assert dst.build_worker_meta() is None
     # A missing value is not a failure of an object: nothing to quarantine.
     step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r3", (H4,), (11,), (0,))]))

@@ -10,6 +10,7 @@ worker half (``umbp_redis.engine.worker``) moves the bytes; both share the data 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -167,6 +168,9 @@ class UMBPRedisConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[Any]:
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def request_finished(
         self, request: Any, block_ids: list[int]

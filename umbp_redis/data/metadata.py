@@ -62,12 +62,14 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     ``failed_requests``: requests one of whose loads failed that way: they are offered
     no more Redis hits (vLLM asks again after a failed load at the prompt's start; the
     same failing value must not be loaded over and over).
+    ``removed_blocks``: blocks whose value a worker found invalid and deleted.
     """
 
     store_results: dict[int, StoreEventResult] = field(default_factory=dict)
     failed_loads: tuple[bytes, ...] = ()
     repaired_loads: tuple[bytes, ...] = ()
     failed_requests: tuple[str, ...] = ()
+    removed_blocks: tuple[bytes, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPConnectorWorkerMetadata:
         """Merge another rank's completions into a new object (neither input changes)."""
@@ -79,7 +81,8 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
         failed = tuple(dict.fromkeys(self.failed_loads + other.failed_loads))
         repaired = tuple(dict.fromkeys(self.repaired_loads + other.repaired_loads))
         requests = tuple(dict.fromkeys(self.failed_requests + other.failed_requests))
-        return UMBPConnectorWorkerMetadata(merged, failed, repaired, requests)
+        removed = tuple(dict.fromkeys(self.removed_blocks + other.removed_blocks))
+        return UMBPConnectorWorkerMetadata(merged, failed, repaired, requests, removed)
 
 
 @dataclass

@@ -51,6 +51,12 @@ R = TypeVar("R")
 
 # Blocks the load-failure quarantine remembers at most (the oldest are forgotten).
 QUARANTINE_MAX_BLOCKS = 65536
+# Store events whose blocks are kept for their KV cache event at most.
+MAX_TRACKED_STORE_EVENTS = 16384
+# The "medium" of this connector's KV cache events.
+KV_EVENTS_MEDIUM = "REDIS"
+# A block stored again within this many seconds is not announced again.
+ANNOUNCE_WINDOW_S = 60.0
 
 # Block hash algorithms of vLLM that are not collision resistant against crafted input.
 _WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
@@ -95,6 +101,15 @@ class _RequestState:
     codec: BlockIdentityCodec | None = None
     lookup_mode: str = ""
     replies_per_block: int = 1  # replies of one block's commands
+
+
+@dataclass
+class _EventBlocks:
+    """What a store event holds, for its BlockStored once every worker stored it."""
+
+    blocks: list[tuple[bytes, bytes | None, list[int], int]]  # hash, parent, tokens, group
+    reports: int = 0
+    failed: bool = False
 
 
 @dataclass
@@ -175,6 +190,16 @@ class UMBPScheduler:
         # Block hash -> monotonic time until which it is not offered as a hit.
         self.quarantine: OrderedDict[bytes, float] = OrderedDict()
         self.quarantine_skips = 0
+        # KV cache events (only with vLLM's --kv-events-config): the blocks of each store
+        # event until every worker reported it, then BlockStored for take_events().
+        events_cfg = getattr(vllm_config, "kv_events_config", None)
+        self.kv_events = bool(events_cfg and getattr(events_cfg, "enable_kv_cache_events", 0))
+        self._event_blocks: OrderedDict[int, _EventBlocks] = OrderedDict()
+        self._kv_events: list[Any] = []
+        # (block hash, group) -> when announced; one BlockStored per block and window.
+        self._announced: OrderedDict[tuple[bytes, int], float] = OrderedDict()
+        # (block hash, group) already in this step's stores.
+        self._planned_this_step: set[tuple[bytes, int]] = set()
         self.stale_pins_released = 0
         # Per block-hash length: the codec they were built for and the encoder.
         # Per hash length: the codec and lookup mode it was built for, and the encoder.
@@ -291,6 +316,9 @@ class UMBPScheduler:
         """
         st = self._state(request)
         st.local_tokens = num_computed_tokens
+        # Blocks in vLLM's local cache were computed (and stored) or loaded here before:
+        # they are not stored again (the lookup below refreshes them in Redis).
+        st.hit_blocks = max(st.hit_blocks, num_computed_tokens // self.block_size)
         if not self.can_load or self.codec is None or st.load_failed:
             return 0, False
         bs = self.block_size
@@ -434,6 +462,7 @@ class UMBPScheduler:
         """
         meta = UMBPConnectorMetadata(load_async=self.load_async)
         meta.loads, self.pending_loads = self.pending_loads, []
+        self._planned_this_step.clear()
         try:
             self._release_stale_pins()
             self._plan_step(scheduler_output, meta)
@@ -541,7 +570,7 @@ class UMBPScheduler:
         last = limit // bs
         # Blocks loaded from Redis or seen present in a lookup are not sent again.
         skip_below = max(st.hit_blocks, tr.num_loaded_tokens // bs)
-        hashes, block_ids, group_ids = [], [], []
+        hashes, block_ids, group_ids, indices = [], [], [], []
         saved_to = first
         for i in range(first, last):
             h = self._hash_of_block(req, i)
@@ -553,9 +582,13 @@ class UMBPScheduler:
             for g in self.groups:
                 if not tr.block_ids or i >= len(tr.block_ids[g]):
                     break
+                if (h, g) in self._planned_this_step:
+                    continue  # another request of this step computed the same block
+                self._planned_this_step.add((h, g))
                 hashes.append(h)
                 block_ids.append(tr.block_ids[g][i])
                 group_ids.append(g)
+                indices.append(i)
         tr.mark_saved(saved_to * bs, bs)
         if not hashes:
             return
@@ -564,10 +597,76 @@ class UMBPScheduler:
             req.request_id, tuple(hashes), tuple(block_ids), tuple(group_ids), event_id=event
         )
         meta.stores.append(batch)
+        if self.kv_events:
+            self._remember_event_blocks(event, req, hashes, indices, group_ids)
         if self.block_pool is not None:
             blocks = [self.block_pool.blocks[b] for b in block_ids]
             self.block_pool.touch(blocks)
             self.pinned[event] = _PinnedEvent(blocks)
+
+    def _remember_event_blocks(
+        self,
+        event: int,
+        req: Request,
+        hashes: list[bytes],
+        indices: list[int],
+        group_ids: list[int],
+    ) -> None:
+        bs = self.block_size
+        tokens = req.all_token_ids
+        blocks = []
+        for h, i, g in zip(hashes, indices, group_ids, strict=True):
+            parent = self._hash_of_block(req, i - 1) if i > 0 else None
+            blocks.append((h, parent, list(tokens[i * bs : (i + 1) * bs]), g))
+        self._event_blocks[event] = _EventBlocks(blocks)
+        while len(self._event_blocks) > MAX_TRACKED_STORE_EVENTS:
+            self._event_blocks.popitem(last=False)
+
+    def _note_store_report(self, eid: int, finished: int, failed: bool) -> None:
+        """Count a store event's worker reports; once all are in and none failed, its
+        blocks are in Redis on every rank: emit their BlockStored."""
+        info = self._event_blocks.get(eid)
+        if info is None:
+            return
+        info.reports += finished
+        info.failed |= failed
+        if info.reports < self.num_workers:
+            return
+        del self._event_blocks[eid]
+        if info.failed:
+            return
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        now = time.monotonic()
+        for h, parent, tokens, g in info.blocks:
+            seen = self._announced.get((h, g))
+            if seen is not None and now - seen < ANNOUNCE_WINDOW_S:
+                continue
+            self._announced[(h, g)] = now
+            self._announced.move_to_end((h, g))
+            while len(self._announced) > MAX_TRACKED_STORE_EVENTS:
+                self._announced.popitem(last=False)
+            self._kv_events.append(
+                BlockStored(
+                    block_hashes=[maybe_convert_block_hash(h)],  # type: ignore[arg-type]
+                    parent_block_hash=(
+                        maybe_convert_block_hash(parent) if parent is not None else None  # type: ignore[arg-type]
+                    ),
+                    token_ids=tokens,
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium=KV_EVENTS_MEDIUM,
+                    lora_name=None,
+                    group_idx=g,
+                )
+            )
+
+    def take_events(self) -> list[Any]:
+        """KV cache events since the last call: BlockStored for blocks every worker stored
+        in Redis, BlockRemoved for values found invalid and deleted (medium REDIS)."""
+        events, self._kv_events = self._kv_events, []
+        return events
 
     @_guarded(lambda self, connector_output: None)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -586,6 +685,22 @@ class UMBPScheduler:
             st = self.requests.get(rid)
             if st is not None:
                 st.load_failed = True
+        if self.kv_events:
+            for eid, res in meta.store_results.items():
+                self._note_store_report(eid, res.finished_workers, bool(res.failed_keys))
+            if meta.removed_blocks:
+                for h in meta.removed_blocks:
+                    for g in self.groups:
+                        self._announced.pop((h, g), None)  # stored again: announce again
+                from vllm.distributed.kv_events import BlockRemoved
+                from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+                self._kv_events.append(
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(h) for h in meta.removed_blocks],  # type: ignore[arg-type]
+                        medium=KV_EVENTS_MEDIUM,
+                    )
+                )
         for eid, res in meta.store_results.items():
             ev = self.pinned.get(eid)
             if ev is None:

@@ -180,6 +180,7 @@ class UMBPWorker:
         self._recent_failed: dict[bytes, None] = {}
         self._repaired: dict[bytes, None] = {}
         self._failed_requests: dict[str, None] = {}
+        self._removed: dict[bytes, None] = {}
         # (event id, keys, gather) of launched gathers not yet reported (engine thread).
         self._unreported_gathers: list[tuple[int, frozenset[str], CopyHandle]] = []
         self._cancelled: set[str] = set()
@@ -464,6 +465,13 @@ class UMBPWorker:
                 # out; remove it so the next store replaces it.
                 log.warning("umbp-redis: %d invalid objects removed (recomputing)", len(invalid))
                 removed = self.plane.delete(invalid)
+                if removed:
+                    with self._lock:
+                        for p, st in zip(plans, statuses, strict=True):
+                            if st is LoadStatus.INVALID:
+                                self._removed[p.block_hash] = None
+                        while len(self._removed) > MAX_FAILED_LOADS_REPORTED:
+                            del self._removed[next(iter(self._removed))]
             # Blocks that would fail again: error replies (the value stays), and invalid
             # values that could not be removed. A removed one is a miss until stored again.
             stuck = (
@@ -579,9 +587,10 @@ class UMBPWorker:
             failed, self._failed_loads = tuple(self._failed_loads), {}
             repaired, self._repaired = tuple(self._repaired), {}
             requests, self._failed_requests = tuple(self._failed_requests), {}
-        if not (reports or failed or repaired or requests):
+            removed, self._removed = tuple(self._removed), {}
+        if not (reports or failed or repaired or requests or removed):
             return None
-        return UMBPConnectorWorkerMetadata(reports, failed, repaired, requests)
+        return UMBPConnectorWorkerMetadata(reports, failed, repaired, requests, removed)
 
     def idle(self) -> bool:
         """No transfer in flight."""
