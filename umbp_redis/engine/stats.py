@@ -40,7 +40,7 @@ class UMBPConnectorStats(KVConnectorStats):
                 "unexpected_errors",
             )
         }
-        for k in ("cluster_moved", "cluster_ask", "cluster_map_refreshes", "cluster_node_failures"):
+        for k in CLUSTER_COUNTERS:
             if d.get(k):
                 out[k] = d[k]
         out["MB_loaded"] = round(d.get("bytes_loaded", 0) / 1e6, 2)
@@ -55,6 +55,14 @@ class UMBPConnectorStats(KVConnectorStats):
         """No transfer in the interval."""
         return not any(self.data.values()) if self.data else True
 
+
+# Redis Cluster event counters (in the log line only when not zero).
+CLUSTER_COUNTERS = (
+    "cluster_moved",
+    "cluster_ask",
+    "cluster_map_refreshes",
+    "cluster_node_failures",
+)
 
 # Per-node counters travel in the stats data as "<prefix><host:port>".
 NODE_FAILURES_PREFIX = "node_failures@"

@@ -41,7 +41,7 @@ from umbp_redis.data import (
 from umbp_redis.engine.copy.factory import make_block_copier
 from umbp_redis.engine.copy.interface import BlockCopier, CopyHandle
 from umbp_redis.engine.staging import StagingPool, staging_budget
-from umbp_redis.engine.stats import NODE_FAILURES_PREFIX
+from umbp_redis.engine.stats import CLUSTER_COUNTERS, NODE_FAILURES_PREFIX
 from umbp_redis.engine.weights import weights_fingerprint
 from umbp_redis.store.deployment import DataPlane, shared_plane
 from umbp_redis.store.errors import ConfigError
@@ -58,14 +58,16 @@ log = logging.getLogger(__name__)
 MAX_FAILED_LOADS_REPORTED = 4096
 
 # Data-plane counters carried into vLLM's stats (as deltas per interval).
-CARRIED_COUNTERS = (
-    "auth_failures",
-    "unexpected_errors",
-    "cluster_moved",
-    "cluster_ask",
-    "cluster_map_refreshes",
-    "cluster_node_failures",
-)
+CARRIED_COUNTERS = ("auth_failures", "unexpected_errors", *CLUSTER_COUNTERS)
+
+
+def _remember(seen: dict[bytes, None], hashes: list[bytes]) -> None:
+    """Add ``hashes`` to the insertion-ordered ``seen``, dropping the oldest beyond
+    ``MAX_FAILED_LOADS_REPORTED``."""
+    for h in hashes:
+        seen[h] = None
+    while len(seen) > MAX_FAILED_LOADS_REPORTED:
+        del seen[next(iter(seen))]
 
 
 def _live_ranks() -> tuple[int, int, int]:
@@ -466,12 +468,13 @@ class UMBPWorker:
                 log.warning("umbp-redis: %d invalid objects removed (recomputing)", len(invalid))
                 removed = self.plane.delete(invalid)
                 if removed:
+                    gone = [
+                        p.block_hash
+                        for p, st in zip(plans, statuses, strict=True)
+                        if st is LoadStatus.INVALID
+                    ]
                     with self._lock:
-                        for p, st in zip(plans, statuses, strict=True):
-                            if st is LoadStatus.INVALID:
-                                self._removed[p.block_hash] = None
-                        while len(self._removed) > MAX_FAILED_LOADS_REPORTED:
-                            del self._removed[next(iter(self._removed))]
+                        _remember(self._removed, gone)
             # Blocks that would fail again: error replies (the value stays), and invalid
             # values that could not be removed. A removed one is a miss until stored again.
             stuck = (
@@ -483,12 +486,8 @@ class UMBPWorker:
             if bad:
                 with self._lock:
                     self._failed_requests[batch.request_id] = None
-                    for h in bad:
-                        self._failed_loads[h] = None
-                        self._recent_failed[h] = None
-                    for d in (self._failed_loads, self._recent_failed):
-                        while len(d) > MAX_FAILED_LOADS_REPORTED:
-                            del d[next(iter(d))]
+                    _remember(self._failed_loads, bad)
+                    _remember(self._recent_failed, bad)
             loaded = [i for i, st in enumerate(statuses) if st is LoadStatus.LOADED]
             failed = {
                 p.block_id for i, p in enumerate(plans) if statuses[i] is not LoadStatus.LOADED
@@ -550,19 +549,14 @@ class UMBPWorker:
         except Exception as e:  # a bug here must not reach vLLM's step
             log.error("umbp-redis: cannot read the data plane's counters: %r", e)
             counters = {}
-        for name in CARRIED_COUNTERS:
-            now = int(counters.get(name, 0))
-            delta = now - self._seen_counters.get(name, 0)
-            self._seen_counters[name] = now
-            if delta > 0:
-                self.stats.add(**{name: delta})
         node_counters = getattr(self.plane, "node_counters", None)
         try:
             per_node = node_counters() if node_counters is not None else {}
         except Exception:
             per_node = {}
-        for node, now in per_node.items():
-            name = f"{NODE_FAILURES_PREFIX}{node}"
+        totals = {name: int(counters.get(name, 0)) for name in CARRIED_COUNTERS}
+        totals.update({f"{NODE_FAILURES_PREFIX}{node}": n for node, n in per_node.items()})
+        for name, now in totals.items():  # the data plane's totals as this interval's deltas
             delta = now - self._seen_counters.get(name, 0)
             self._seen_counters[name] = now
             if delta > 0:

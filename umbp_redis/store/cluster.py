@@ -33,6 +33,7 @@ from umbp_redis.store.plane import (
     LoadStatus,
     RedisDataPlane,
     StoreStatus,
+    lookup_commands,
     record_loads,
     record_stores,
 )
@@ -103,7 +104,7 @@ class ClusterLookupEncoder:
         )
 
 
-def read_slot_map(conn: RedisConnection, asked_host: str, epoch: int) -> SlotMap:
+def read_slot_map(conn: RedisConnection, asked_host: str) -> SlotMap:
     """The cluster's slot map as ``conn``'s node sees it (``CLUSTER SHARDS``, else
     ``CLUSTER SLOTS``); raises ``RedisDataPlaneError`` or ``ValueError``."""
     send_buffers(conn.sock, [encode_command("CLUSTER", "SHARDS")], use_sendmsg=False)
@@ -115,8 +116,8 @@ def read_slot_map(conn: RedisConnection, asked_host: str, epoch: int) -> SlotMap
         reply = conn.reader.read_reply()
         if isinstance(reply, ErrorReply):
             raise reply.exc
-        return parse_cluster_slots(reply, asked_host, epoch)
-    return parse_cluster_shards(reply, asked_host, epoch, tls=conn.settings.tls)
+        return parse_cluster_slots(reply, asked_host)
+    return parse_cluster_shards(reply, asked_host, tls=conn.settings.tls)
 
 
 class ClusterDataPlane:
@@ -218,7 +219,6 @@ class ClusterDataPlane:
         new: SlotMap | None = None
         errors: list[str] = []
         old = self._map
-        epoch = (old.epoch + 1) if old is not None else 1
         try:
             for addr in self._candidates():
                 try:
@@ -228,7 +228,7 @@ class ClusterDataPlane:
                     continue
                 try:
                     conn.reader.deadline = time.monotonic() + self.settings.op_timeout_s
-                    candidate = read_slot_map(conn, addr[0], epoch)
+                    candidate = read_slot_map(conn, addr[0])
                 except (RedisDataPlaneError, ValueError, TypeError, IndexError) as e:
                     errors.append(f"{addr[0]}:{addr[1]}: {e}")
                     continue
@@ -314,13 +314,17 @@ class ClusterDataPlane:
             prefixes, refresh_ttl=refresh_ttl, ttl=self._ttl, hash_hex_len=hash_hex_len
         )
 
-    def lookup_blocks(self, blocks: Sequence[SlottedBlock], count: int) -> list[int] | None:
+    def lookup_blocks(
+        self, blocks: Sequence[SlottedBlock], count: int, *, timeout: float | None = None
+    ) -> list[int] | None:
         """Replies (1 per present key) to blocks from ``lookup_encoder``, in order.
 
         The keys of a master that fails, times out or answers an error read 0 (a miss);
-        None only when no slot map is known yet. Ends within ``lookup_timeout_s``.
+        None only when no slot map is known yet. Ends within ``timeout`` (default
+        ``lookup_timeout_s``).
         """
-        deadline = time.monotonic() + self.settings.lookup_timeout_s
+        wait = self.settings.lookup_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
         self.stats.add(lookups=1)
         m = self._map
         if m is None:
@@ -415,9 +419,9 @@ class ClusterDataPlane:
         blocks = []
         for k in keys:
             kb = k if isinstance(k, bytes) else k.encode()
-            enc = ClusterLookupEncoder([kb], refresh_ttl=refresh, ttl=self._ttl, hash_hex_len=0)
-            blocks.append(enc.encode(b""))
-        replies = self.lookup_blocks(blocks, len(blocks))
+            cmd, _ = lookup_commands([kb], refresh_ttl=refresh, ttl=self._ttl)
+            blocks.append(SlottedBlock((cmd,), (key_slot(kb),)))
+        replies = self.lookup_blocks(blocks, len(blocks), timeout=timeout)
         return None if replies is None else [r == 1 for r in replies]
 
     # -- stores and loads --------------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from umbp_redis.store.cluster import ClusterDataPlane
+from umbp_redis.store.cluster import ClusterDataPlane, read_slot_map
 from umbp_redis.store.connection import AuthAlarm, RedisConnection
 from umbp_redis.store.errors import ConfigError, RedisAuthError, RedisDataPlaneError
 from umbp_redis.store.plane import LoadStatus, LookupEncoder, RedisDataPlane, StoreStatus
@@ -92,8 +92,6 @@ class ClusterProbe:
 def probe_cluster(settings: RedisSettings, alarm: AuthAlarm | None = None) -> ClusterProbe:
     """Ask the server of ``settings`` whether it is a cluster node (never raises; a
     refused login is reported to ``alarm``, which logs it at ERROR)."""
-    from umbp_redis.store.cluster import read_slot_map
-
     if settings.scheme == "unix":
         return ClusterProbe(False, None)
     try:
@@ -115,7 +113,7 @@ def probe_cluster(settings: RedisSettings, alarm: AuthAlarm | None = None) -> Cl
         if "cluster_enabled:1" not in text:
             return ClusterProbe(False, None)
         try:
-            return ClusterProbe(True, read_slot_map(conn, settings.host, 1))
+            return ClusterProbe(True, read_slot_map(conn, settings.host))
         except (RedisDataPlaneError, ValueError, TypeError, IndexError) as e:
             return ClusterProbe(True, None, f"cannot read the slot map: {e}")
     except RedisDataPlaneError as e:

@@ -33,14 +33,12 @@ class SlotMap:
     """The masters of a cluster and, per slot, the index of the master serving it.
 
     ``owner[slot]`` is an index into ``masters`` or ``UNASSIGNED``; ``replicas`` maps a
-    master to its replicas' addresses (for reporting only). ``epoch`` counts the maps a
-    client has read, so cached groupings can tell a newer map.
+    master to its replicas' addresses (for reporting only).
     """
 
     masters: tuple[Address, ...]
     owner: tuple[int, ...]
     replicas: tuple[tuple[Address, ...], ...] = ()
-    epoch: int = 0
 
     def node_of(self, slot: int) -> Address | None:
         """The master serving ``slot``, or None when no master does."""
@@ -61,7 +59,7 @@ class SlotMap:
             replicas.append(())
         owner = list(self.owner)
         owner[slot] = masters.index(node)
-        return SlotMap(tuple(masters), tuple(owner), tuple(replicas), self.epoch + 1)
+        return SlotMap(tuple(masters), tuple(owner), tuple(replicas))
 
 
 def _text(v: Any) -> str:
@@ -78,7 +76,7 @@ def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
     return {_text(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-def _build(ranges: list[tuple[int, int, Address, tuple[Address, ...]]], epoch: int) -> SlotMap:
+def _build(ranges: list[tuple[int, int, Address, tuple[Address, ...]]]) -> SlotMap:
     masters: list[Address] = []
     replicas: list[tuple[Address, ...]] = []
     owner = [UNASSIGNED] * SLOTS
@@ -89,12 +87,10 @@ def _build(ranges: list[tuple[int, int, Address, tuple[Address, ...]]], epoch: i
         idx = masters.index(master)
         for s in range(max(0, lo), min(SLOTS - 1, hi) + 1):
             owner[s] = idx
-    return SlotMap(tuple(masters), tuple(owner), tuple(replicas), epoch)
+    return SlotMap(tuple(masters), tuple(owner), tuple(replicas))
 
 
-def parse_cluster_shards(
-    reply: Any, asked_host: str, epoch: int = 0, *, tls: bool = False
-) -> SlotMap:
+def parse_cluster_shards(reply: Any, asked_host: str, *, tls: bool = False) -> SlotMap:
     """A ``SlotMap`` from a ``CLUSTER SHARDS`` reply (Redis 7+, Valkey 8+).
 
     With ``tls`` a node's ``tls-port`` is used where it has one, else its ``port``. Only
@@ -129,10 +125,10 @@ def parse_cluster_shards(
             continue
         for i in range(0, len(slots) - 1, 2):
             ranges.append((slots[i], slots[i + 1], master, tuple(reps)))
-    return _build(ranges, epoch)
+    return _build(ranges)
 
 
-def parse_cluster_slots(reply: Any, asked_host: str, epoch: int = 0) -> SlotMap:
+def parse_cluster_slots(reply: Any, asked_host: str) -> SlotMap:
     """A ``SlotMap`` from a ``CLUSTER SLOTS`` reply (older servers)."""
     if not isinstance(reply, list):
         raise ValueError(f"CLUSTER SLOTS reply is not an array: {reply!r:.80}")
@@ -142,4 +138,4 @@ def parse_cluster_slots(reply: Any, asked_host: str, epoch: int = 0) -> SlotMap:
         master = (_endpoint(master_info[0], asked_host), int(master_info[1]))
         reps = tuple((_endpoint(r[0], asked_host), int(r[1])) for r in rep_infos)
         ranges.append((int(lo), int(hi), master, reps))
-    return _build(ranges, epoch)
+    return _build(ranges)
