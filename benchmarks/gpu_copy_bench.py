@@ -7,6 +7,10 @@ run on the same bytes:
 - torch: per layer, ``index_select`` of the batch's blocks into a device buffer and
   ``copy_`` to pinned staging (scatter: ``copy_`` to the device, then ``index_copy_``).
 
+Besides the CuPy kernel (which uses SMs), a copy-engine variant moves the same ranges with
+``cudaMemcpy2DAsync`` (one call per block and merged strided run of the template, DMA
+engines, no SMs), to show which of the two ``copy_backend: auto`` should prefer.
+
 The KV cache is vLLM's GPU layout, (2, num_blocks, block_size, kv_heads, head_size) per
 layer in bf16: K and V of a block lie apart, so each layer adds two ranges per block.
 Usage (on a CUDA machine with CuPy; no Redis, no vLLM, no downloads):
@@ -17,6 +21,7 @@ Usage (on a CUDA machine with CuPy; no Redis, no vLLM, no downloads):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -65,6 +70,57 @@ def build_cache(layers: int, num_blocks: int, block_size: int, heads: int, head_
         kv_cache_tensors=[],
     )
     return cfg, caches
+
+
+def runs_within(runs: Any, spans: list[tuple[int, int]]) -> list[Any]:
+    """``runs`` split so that no run's pieces lie in two allocations (``spans``:
+    (start, end) of each KV tensor's storage). A 2D copy whose rows cross from one
+    ``cudaMalloc`` allocation into the next is refused (invalid argument), even when
+    the two allocations are adjacent and the step is equal."""
+
+    def span_of(address: int) -> int:
+        return next(i for i, (a, b) in enumerate(spans) if a <= address < b)
+
+    out: list[Any] = []
+    for run in runs:
+        group: list[Any] = []
+        for piece in run.pieces():
+            if group and span_of(piece.engine_base) != span_of(group[0].engine_base):
+                out.append(_joined(group))
+                group = []
+            group.append(piece)
+        out.append(_joined(group))
+    return out
+
+
+def _joined(pieces: list[Any]) -> Any:
+    first = pieces[0]
+    step = pieces[1].engine_base - first.engine_base if len(pieces) > 1 else first.length
+    return dataclasses.replace(first, step=step, count=len(pieces))
+
+
+def dma_copy(runs: list[Any], pool: StagingPool, plan: StagingCopyPlan, *, gather: bool) -> None:
+    """The plan's blocks moved by the copy engines: one ``cudaMemcpy2DAsync`` per block
+    and run (``count`` pieces ``step`` apart in the engine, back to back in the object),
+    all on the current stream; complete on return."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    stream = torch.cuda.current_stream().cuda_stream
+    for block, slot in zip(plan.block_ids, plan.slots, strict=True):
+        host_base = pool.tensor(slot).data_ptr()
+        for r in runs:
+            dev = r.engine_base + block * r.block_stride
+            host = host_base + r.object_offset
+            if gather:
+                rt.memcpy2DAsync(
+                    host, r.length, dev, r.step, r.length, r.count, rt.memcpyDeviceToHost, stream
+                )
+            else:
+                rt.memcpy2DAsync(
+                    dev, r.step, host, r.length, r.length, r.count, rt.memcpyHostToDevice, stream
+                )
+    torch.cuda.synchronize()
 
 
 def run_case(
@@ -129,6 +185,17 @@ def run_case(
         return g, s
 
     gather_s, scatter_s = kernel_times(CHUNK_BYTES, THREADS_PER_CTA)
+    storages = [t.untyped_storage() for t in tensors]
+    spans = [(st.data_ptr(), st.data_ptr() + st.nbytes()) for st in storages]
+    runs = runs_within(template.runs(), spans)
+    dma_g = timed(lambda: dma_copy(runs, pool, plan, gather=True), reps)
+    dma_s = timed(lambda: dma_copy(runs, pool, plan, gather=False), reps)
+    dma_copy(runs, pool, plan, gather=True)
+    b0 = blocks[0]
+    want0 = torch.cat([torch.cat([t[0, b0].flatten(), t[1, b0].flatten()]) for t in tensors])
+    assert torch.equal(pool.tensor(0)[:size], want0.view(torch.uint8).cpu()), (
+        "copy-engine gather bytes differ"
+    )
 
     # Correctness of what was timed: a block's object is each layer's K then V page.
     copier = CupyBlockCopier(caches, {0: template}, pool, num_blocks)
@@ -151,11 +218,16 @@ def run_case(
         "torch_scatter_GBps": nbytes / base_s / GB,
         "kernel_gather_GBps": nbytes / gather_s / GB,
         "kernel_scatter_GBps": nbytes / scatter_s / GB,
+        "dma_gather_GBps": nbytes / dma_g / GB,
+        "dma_scatter_GBps": nbytes / dma_s / GB,
+        "dma_calls_per_block": len(runs),
     }
     out["gather_vs_ceiling"] = out["kernel_gather_GBps"] / out["ceiling_d2h_GBps"]
     out["scatter_vs_ceiling"] = out["kernel_scatter_GBps"] / out["ceiling_h2d_GBps"]
     out["gather_vs_torch"] = out["kernel_gather_GBps"] / out["torch_gather_GBps"]
     out["scatter_vs_torch"] = out["kernel_scatter_GBps"] / out["torch_scatter_GBps"]
+    out["dma_gather_vs_ceiling"] = out["dma_gather_GBps"] / out["ceiling_d2h_GBps"]
+    out["dma_scatter_vs_ceiling"] = out["dma_scatter_GBps"] / out["ceiling_h2d_GBps"]
     if sweep:
         grid = {}
         for chunk in (8 << 10, 16 << 10, 64 << 10):
@@ -198,6 +270,12 @@ def main() -> None:
             f"{r['scatter_vs_ceiling']:6.2f}x {r['scatter_vs_torch']:7.2f}x",
         ]
         print(f"{r['case']:45} " + " ".join(cells))
+    for r in results:
+        print(
+            f"copy engine {r['case'][:33]:33} ({r['dma_calls_per_block']} calls/block):"
+            f" gather {r['dma_gather_GBps']:6.1f} GB/s ({r['dma_gather_vs_ceiling']:.2f}x ceil),"
+            f" scatter {r['dma_scatter_GBps']:6.1f} GB/s ({r['dma_scatter_vs_ceiling']:.2f}x ceil)"
+        )
     for r in results:
         for k, (g, s) in r.get("sweep_gather_scatter_GBps", {}).items():
             print(f"sweep {r['case'][:20]} {k:>12}: gather {g:6.1f} GB/s, scatter {s:6.1f} GB/s")

@@ -149,10 +149,16 @@ def test_engine_stream_does_not_wait_for_the_gather_and_done_says_when_it_read(
 ) -> None:
     cfg, caches = CASES["packed_4d"]("cuda")
     copier, pool, size = _gpu_copier(caches, cfg, 2)
+    # The "next step" kernel and the gather run once first: with CUDA's lazy module
+    # loading, a kernel's first launch loads its module, which waits for the whole
+    # device (on an H200 that made the engine's fill wait for the sleeping copy stream;
+    # seen 2026-12-04). vLLM's forward kernels are loaded by its warm-up long before.
+    copier.gather(StagingCopyPlan((0,), (2,), (0,))).wait()
+    torch.empty(1024, device="cuda").fill_(1.0)
     _fill_all(caches, 0x5A)
     torch.cuda.synchronize()
     with torch.cuda.stream(copier._streams["store"]):
-        torch.cuda._sleep(SLEEP_CYCLES)  # the copy stream is busy with earlier work
+        torch.cuda._sleep(10 * SLEEP_CYCLES)  # the copy stream is busy with earlier work
     handle = copier.gather(StagingCopyPlan((0, 0), (1, 4), (0, 1)))
     # The next forward pass runs at once: work queued on the engine's stream after
     # the gather completes while the gather is still waiting for its stream.
