@@ -41,6 +41,8 @@ def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
         "pinned_blocks": sched.pinned_blocks,
         "staging_in_use": worker.staging.num_slots - worker.staging.free_slots,
         "tracked_requests": len(sched.requests),
+        # Lazy store mode: blocks of finished requests pinned for the next step's store.
+        "lazy_pending": len(sched._lazy_early),
     }
 
 

@@ -403,4 +403,72 @@ def test_preemption_under_a_small_kv_cache(work: Path, tiny_model: Path) -> None
     assert "Traceback" not in log
     assert "requests preempted" in log  # the small cache did force preemptions
     # Nothing stays pinned, no staging slot stays taken, no request state lingers.
-    assert res["leak"] == {"pinned_blocks": 0, "staging_in_use": 0, "tracked_requests": 0}
+    assert res["leak"] == {
+        "pinned_blocks": 0,
+        "staging_in_use": 0,
+        "tracked_requests": 0,
+        "lazy_pending": 0,
+    }
+
+
+def test_lazy_store_mode_stores_what_vllm_evicts_and_nothing_else(
+    work: Path,
+    tiny_model: Path,
+    baseline: dict,  # type: ignore[type-arg]
+) -> None:
+    other = sample_prompts(4, 420, seed=7)
+    fresh = sample_prompts(3, 420, seed=9)
+    lazy = {"store_mode": "lazy"}
+    with EmbeddedRedis() as srv:
+        # A small KV cache (11 usable blocks, a prompt needs 4): the second prompt set
+        # evicts the first one's blocks, which are stored on their way out.
+        small = run_engine(
+            work,
+            "lazy_small",
+            tiny_model,
+            connector(srv.url, **lazy),
+            [
+                {"op": "generate", "name": "cold"},
+                {"op": "count_keys", "name": "after_cold", "url": srv.url},
+                {"op": "generate", "name": "other", "prompts": other},
+                {"op": "count_keys", "name": "after_other", "url": srv.url},
+                {"op": "generate", "name": "warm"},
+                {"op": "leak_check", "name": "leak"},
+            ],
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
+            max_model_len=1024,
+            engine_args={"num_gpu_blocks_override": 12},
+        )
+        # A fresh engine with a large KV cache: every prompt block comes from Redis, and
+        # new prompts, which its cache never evicts, cost no Redis writes at all.
+        big = run_engine(
+            work,
+            "lazy_big",
+            tiny_model,
+            connector(srv.url, **lazy),
+            [
+                {"op": "count_keys", "name": "before", "url": srv.url},
+                {"op": "generate", "name": "warm"},
+                {"op": "generate", "name": "fresh", "prompts": fresh},
+                {"op": "count_keys", "name": "after", "url": srv.url},
+            ],
+        )
+        log = (work / "lazy_small.log").read_text() + (work / "lazy_big.log").read_text()
+    assert "Traceback" not in log
+    for phase in ("cold", "warm"):
+        assert tokens(small[phase]) == tokens(baseline)
+    assert tokens(big["warm"]) == tokens(baseline)
+    # PROMPTS share 2 blocks and have one of their own each: all 6 reached Redis only
+    # because the small cache evicted them.
+    assert small["after_other"] >= 2 + len(PROMPTS)
+    assert small["after_cold"] <= small["after_other"]
+    for o in big["warm"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    # Eager mode would have stored every full prompt block of the fresh prompts.
+    fresh_blocks = sum(full_blocks(o["prompt_tokens"]) for o in big["fresh"]["outputs"])
+    assert fresh_blocks >= 9 and big["after"] == big["before"]
+    # Every pin was released by its store's report, except the blocks of the last
+    # finished requests, pinned for the step that never came (the engine went idle).
+    leak = small["leak"]
+    assert leak["staging_in_use"] == 0 and leak["tracked_requests"] == 0
+    assert leak["pinned_blocks"] == leak["lazy_pending"] <= 3 * len(PROMPTS)

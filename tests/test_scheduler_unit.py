@@ -637,3 +637,129 @@ def test_blocks_in_the_local_cache_or_planned_this_step_are_not_stored_twice(
         )
     )
     assert [list(x.block_ids) for x in meta.stores] == [[5, 6]]
+
+
+def _report_all(s: UMBPScheduler, events: list[int], workers: int = 1) -> None:
+    s.update_connector_output(
+        SimpleNamespace(  # type: ignore[arg-type]
+            finished_recving=None,
+            kv_connector_worker_meta=UMBPConnectorWorkerMetadata(
+                {e: StoreEventResult(e, workers) for e in events}
+            ),
+        )
+    )
+
+
+def _lazy_setup(model_config: ModelConfig, num_blocks: int, window: int, **extra: Any):  # type: ignore[no-untyped-def]
+    """A lazy-mode scheduler bound to a real vLLM BlockPool, and a request whose prompt
+    (3 full blocks and a partial one) ran in one step on blocks the pool allocated."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    s = make_scheduler(model_config, ScriptedDataPlane(), store_mode="lazy", **extra)
+    s.lazy_window = window
+    pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=BS)
+    s.bind_block_pool(pool)
+    req = request(3 * BS + 40)
+    req.all_token_ids = list(range(3 * BS + 40))  # type: ignore[attr-defined]
+    s.get_num_new_matched_tokens(req, 0)
+    blocks = pool.get_new_blocks(4)
+    ids = [b.block_id for b in blocks]
+    meta = s.build_connector_meta(_step(new=[("r1", (ids,), 0)], sched={"r1": 3 * BS + 40}))
+    pool.cache_full_blocks(req, blocks, 0, 3, BS, 0)  # type: ignore[arg-type]
+    return s, pool, req, blocks, meta
+
+
+def test_lazy_mode_stores_blocks_only_when_vllm_is_about_to_evict_them(
+    model_config: ModelConfig,
+) -> None:
+    s, pool, req, blocks, meta = _lazy_setup(model_config, 16, window=4)
+    assert s.lazy and meta.stores == []  # nothing after the forward pass
+    s.request_finished(req)  # type: ignore[arg-type]
+    pool.free_blocks(reversed(blocks))  # as vLLM frees a request's blocks
+    # The free queue's head holds never-used blocks: nothing near eviction is cached.
+    assert s.build_connector_meta(_step()).stores == []
+    assert s.pinned_blocks == 0
+    # Another request takes 10 blocks: the cached ones come within the window.
+    taken = pool.get_new_blocks(10)
+    assert all(b.block_hash is None for b in taken)  # none of r1's cached blocks reused
+    meta = s.build_connector_meta(_step())
+    (batch,) = meta.stores
+    assert batch.request_id == "umbp-lazy-offload"
+    by_block = {b.block_id: h for b, h in zip(blocks, req.block_hashes, strict=False)}
+    assert sorted(batch.block_ids) == sorted(b.block_id for b in blocks[:3])
+    assert [by_block[b] for b in batch.block_ids] == list(batch.block_hashes)
+    assert set(batch.group_ids) == {0}
+    # Pinned until stored: vLLM cannot reuse them meanwhile.
+    assert s.pinned_blocks == 3 and pool.get_num_free_blocks() == 2
+    assert s.build_connector_meta(_step()).stores == []  # planned once
+    _report_all(s, [batch.event_id])
+    assert s.pinned_blocks == 0 and pool.get_num_free_blocks() == 5
+    # Still in vLLM's prefix cache after the store, and never stored again.
+    assert all(b.block_hash is not None for b in blocks[:3])
+    pool.get_new_blocks(3)
+    assert s.build_connector_meta(_step()).stores == []
+    assert s.lazy_blocks_stored == 3
+
+
+def test_lazy_mode_pins_a_finishing_requests_blocks_when_the_free_queue_is_short(
+    model_config: ModelConfig,
+) -> None:
+    s, pool, req, blocks, meta = _lazy_setup(model_config, 8, window=16)
+    assert meta.stores == [] and pool.get_num_free_blocks() == 3
+    s.request_finished(req)  # type: ignore[arg-type]
+    pool.free_blocks(reversed(blocks))
+    # The three cached blocks stay out of the free queue until stored: a step could
+    # otherwise reuse them before the next walk.
+    assert pool.get_num_free_blocks() == 4 and s.pinned_blocks == 3
+    assert s.has_pending_block_frees()
+    meta = s.build_connector_meta(_step())
+    (batch,) = meta.stores
+    assert list(batch.block_hashes) == req.block_hashes[:3]
+    assert list(batch.block_ids) == [b.block_id for b in blocks[:3]]
+    _report_all(s, [batch.event_id])
+    assert s.pinned_blocks == 0 and pool.get_num_free_blocks() == 7
+    assert s.build_connector_meta(_step()).stores == []
+
+
+def test_lazy_mode_skips_redis_hits_and_announces_what_it_stored(
+    model_config: ModelConfig,
+) -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, store_mode="lazy")
+    s.kv_events = True
+    s.lazy_window = 64
+    pool = BlockPool(8, enable_caching=True, hash_block_size=BS)
+    s.bind_block_pool(pool)
+    req = request(3 * BS + 40)
+    req.all_token_ids = list(range(3 * BS + 40))  # type: ignore[attr-defined]
+    assert s.codec is not None
+    plane.present = {s.codec.key(req.block_hashes[0], 0)}  # block 0 is in Redis
+    assert s.get_num_new_matched_tokens(req, 0) == (BS, True)
+    blocks = pool.get_new_blocks(4)
+    ids = [b.block_id for b in blocks]
+    s.build_connector_meta(_step(new=[("r1", (ids,), BS)], sched={"r1": 2 * BS + 40}))
+    pool.cache_full_blocks(req, blocks, 0, 3, BS, 0)  # type: ignore[arg-type]
+    s.request_finished(req)  # type: ignore[arg-type]
+    pool.free_blocks(reversed(blocks))
+    (batch,) = s.build_connector_meta(_step()).stores
+    assert list(batch.block_hashes) == req.block_hashes[1:3]  # not the Redis hit
+    _report_all(s, [batch.event_id])
+    events = s.take_events()
+    assert (
+        [e.token_ids for e in events]
+        == [
+            req.all_token_ids[BS : 2 * BS],  # type: ignore[attr-defined]
+            req.all_token_ids[2 * BS : 3 * BS],  # type: ignore[attr-defined]
+        ]
+    )
+    assert {e.medium for e in events} == {"REDIS"}
+
+
+def test_eager_mode_is_the_default_and_store_mode_is_checked(model_config: ModelConfig) -> None:
+    from umbp_redis.store.errors import ConfigError
+
+    assert validate_options({})["store_mode"] == "eager"
+    with pytest.raises(ConfigError, match="store_mode"):
+        validate_options({"store_mode": "later"})

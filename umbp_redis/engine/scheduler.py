@@ -9,6 +9,9 @@ Keys and their encoded lookup commands are built once per block hash and kept wi
 the request; a lookup covers the whole prefix chain the request relies on (blocks
 the engine's own prefix cache holds included), so every request that shares a prefix
 refreshes it in Redis (TTL or LRU clock) and LRU eviction takes unshared suffixes first.
+
+Stores are planned per request after the step that computed the blocks (``store_mode:
+eager``) or, in lazy mode, when vLLM's free queue brings the blocks near eviction.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ MAX_TRACKED_STORE_EVENTS = 16384
 KV_EVENTS_MEDIUM = "REDIS"
 # A block stored again within this many seconds is not announced again.
 ANNOUNCE_WINDOW_S = 60.0
+
+# Lazy store mode: the request id of its store batches, and how many candidate blocks
+# it remembers per KV cache block and group (the oldest are forgotten: not stored).
+LAZY_REQUEST_ID = "umbp-lazy-offload"
+LAZY_CANDIDATES_PER_BLOCK = 2
 
 # Block hash algorithms of vLLM that are not collision resistant against crafted input.
 _WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
@@ -107,9 +115,13 @@ class _RequestState:
 class _EventBlocks:
     """What a store event holds, for its BlockStored once every worker stored it."""
 
-    blocks: list[tuple[bytes, bytes | None, list[int], int]]  # hash, parent, tokens, group
+    blocks: list[_EventBlock]
     reports: int = 0
     failed: bool = False
+
+
+# A block's KV cache event data: hash, parent hash, token ids, group.
+_EventBlock = tuple[bytes, bytes | None, list[int], int]
 
 
 @dataclass
@@ -163,6 +175,7 @@ class UMBPScheduler:
         )
         self._lookups: dict[str, tuple[tuple[Any, ...], Future[list[int] | None]]] = {}
         self.save_decode = bool(options["save_decode_cache"])
+        self.lazy = options["store_mode"] == "lazy"
         self.topology = RankTopology.from_vllm_config(vllm_config)
         self.groups = [
             gid
@@ -211,6 +224,22 @@ class UMBPScheduler:
         self.load_pins: dict[str, list[Any]] = {}
         self.block_pool: Any = None
         self._event_ids = itertools.count(1)
+        # Lazy store mode: blocks computed here that Redis does not hold, as (hash,
+        # group) -> their KV cache event data (None without events), stored once vLLM's
+        # free queue brings them within lazy_window blocks of eviction.
+        self._lazy_candidates: OrderedDict[tuple[bytes, int], _EventBlock | None] = OrderedDict()
+        self._lazy_max = max(
+            1024, LAZY_CANDIDATES_PER_BLOCK * int(kv_cache_config.num_blocks) * len(self.groups)
+        )
+        sched_cfg = getattr(vllm_config, "scheduler_config", None)
+        step_tokens = int(getattr(sched_cfg, "max_num_batched_tokens", 0) or 8192)
+        step_seqs = int(getattr(sched_cfg, "max_num_seqs", 0) or 256)
+        # Blocks one step can take from the free queue at most: a full batch of new
+        # tokens in every group, plus one block per running request.
+        self.lazy_window = len(self.groups) * -(-step_tokens // self.block_size) + step_seqs
+        self.lazy_blocks_stored = 0  # blocks pinned for a lazy store so far
+        # Blocks of finished requests pinned for the next step's lazy store.
+        self._lazy_early: list[tuple[bytes, int, Any, _EventBlock | None]] = []
 
     # -- startup ----------------------------------------------------------------------
 
@@ -524,6 +553,8 @@ class UMBPScheduler:
             st = self.requests.get(rid)
             if st is not None:
                 self._plan_stores(st, cached.num_computed_tokens[i], num_sched.get(rid, 0), meta)
+        if self.lazy:
+            self._plan_lazy_stores(meta)
 
     def _update_cached(self, scheduler_output: SchedulerOutput) -> None:
         cached = scheduler_output.scheduled_cached_reqs
@@ -592,35 +623,143 @@ class UMBPScheduler:
         tr.mark_saved(saved_to * bs, bs)
         if not hashes:
             return
+        event_data = self._event_data(req, hashes, indices, group_ids) if self.kv_events else None
+        if self.lazy:
+            self._remember_candidates(hashes, group_ids, event_data)
+            return
+        self._emit_store(meta, req.request_id, hashes, block_ids, group_ids, event_data)
+
+    def _emit_store(
+        self,
+        meta: UMBPConnectorMetadata,
+        request_id: str,
+        hashes: list[bytes],
+        block_ids: list[int],
+        group_ids: list[int],
+        event_data: list[_EventBlock] | None,
+        pinned: list[Any] | None = None,
+    ) -> None:
+        """One store batch into ``meta``, its source blocks pinned until reported
+        (``pinned``: blocks the caller already pinned, one per block id)."""
         event = next(self._event_ids)
         batch = BlockStoreBatch(
-            req.request_id, tuple(hashes), tuple(block_ids), tuple(group_ids), event_id=event
+            request_id, tuple(hashes), tuple(block_ids), tuple(group_ids), event_id=event
         )
         meta.stores.append(batch)
-        if self.kv_events:
-            self._remember_event_blocks(event, req, hashes, indices, group_ids)
-        if self.block_pool is not None:
+        if event_data is not None:
+            self._event_blocks[event] = _EventBlocks(event_data)
+            while len(self._event_blocks) > MAX_TRACKED_STORE_EVENTS:
+                self._event_blocks.popitem(last=False)
+        if pinned is not None:
+            self.pinned[event] = _PinnedEvent(pinned)
+        elif self.block_pool is not None:
             blocks = [self.block_pool.blocks[b] for b in block_ids]
             self.block_pool.touch(blocks)
             self.pinned[event] = _PinnedEvent(blocks)
 
-    def _remember_event_blocks(
-        self,
-        event: int,
-        req: Request,
-        hashes: list[bytes],
-        indices: list[int],
-        group_ids: list[int],
-    ) -> None:
+    def _event_data(
+        self, req: Request, hashes: list[bytes], indices: list[int], group_ids: list[int]
+    ) -> list[_EventBlock]:
+        """The KV cache event data (hash, parent, token ids, group) of blocks of ``req``."""
         bs = self.block_size
         tokens = req.all_token_ids
         blocks = []
         for h, i, g in zip(hashes, indices, group_ids, strict=True):
             parent = self._hash_of_block(req, i - 1) if i > 0 else None
             blocks.append((h, parent, list(tokens[i * bs : (i + 1) * bs]), g))
-        self._event_blocks[event] = _EventBlocks(blocks)
-        while len(self._event_blocks) > MAX_TRACKED_STORE_EVENTS:
-            self._event_blocks.popitem(last=False)
+        return blocks
+
+    # -- lazy store mode --------------------------------------------------------------
+
+    def _remember_candidates(
+        self, hashes: list[bytes], group_ids: list[int], event_data: list[_EventBlock] | None
+    ) -> None:
+        """Blocks computed this step, to store once vLLM is about to evict them."""
+        cands = self._lazy_candidates
+        for n, (h, g) in enumerate(zip(hashes, group_ids, strict=True)):
+            cands[(h, g)] = event_data[n] if event_data is not None else None
+            cands.move_to_end((h, g))
+        while len(cands) > self._lazy_max:
+            cands.popitem(last=False)
+
+    def _plan_lazy_stores(self, meta: UMBPConnectorMetadata) -> None:
+        """Store the candidate blocks among the next ``lazy_window`` blocks vLLM evicts.
+
+        Walks vLLM's free queue from its head (the next block it reuses) and pins every
+        cached block that is a candidate; pinned blocks leave the queue, so the walk
+        goes on until ``lazy_window`` blocks that are safe to evict (never cached, or
+        already in Redis) lie ahead of the rest. One step takes at most that many blocks
+        from the queue, so no candidate is evicted before its store is planned. Pins are
+        released by the store's reports (the blocks rejoin the queue, still cached).
+        """
+        pool = self.block_pool
+        cands = self._lazy_candidates
+        early, self._lazy_early = self._lazy_early, []
+        if early:
+            self._emit_store(
+                meta,
+                LAZY_REQUEST_ID,
+                [h for h, _, _, _ in early],
+                [b.block_id for _, _, b, _ in early],
+                [g for _, g, _, _ in early],
+                [d for _, _, _, d in early if d is not None] if self.kv_events else None,
+                pinned=[b for _, _, b, _ in early],
+            )
+        if pool is None or not cands:
+            return
+        hashes: list[bytes] = []
+        block_ids: list[int] = []
+        group_ids: list[int] = []
+        event_data: list[_EventBlock] = []
+        safe = 0
+        for block in pool.free_block_queue.iter_blocks_after(None):
+            if safe >= self.lazy_window:
+                break
+            key = block.block_hash
+            if key is not None and not block.is_null:
+                hk = (bytes(key[:-4]), int.from_bytes(key[-4:], "big"))
+                if hk in cands:
+                    data = cands.pop(hk)
+                    hashes.append(hk[0])
+                    block_ids.append(block.block_id)
+                    group_ids.append(hk[1])
+                    if data is not None:
+                        event_data.append(data)
+                    continue
+            safe += 1
+        if not hashes:
+            return
+        self.lazy_blocks_stored += len(hashes)
+        self._emit_store(
+            meta,
+            LAZY_REQUEST_ID,
+            hashes,
+            block_ids,
+            group_ids,
+            event_data if self.kv_events and len(event_data) == len(hashes) else None,
+        )
+
+    def _pin_finishing(self, st: _RequestState) -> None:
+        """Pin the candidate blocks of a finishing request when vLLM's free queue is
+        shorter than ``lazy_window``: freed, they would lie within reach of the next
+        step's allocations before the next walk sees them. Stored with the next step."""
+        pool = self.block_pool
+        if pool is None or pool.get_num_free_blocks() >= self.lazy_window:
+            return
+        cands = self._lazy_candidates
+        picked = []
+        for g in self.groups:
+            ids = st.tracker.block_ids[g] if st.tracker.block_ids else []
+            for i, bid in enumerate(ids):
+                h = self._hash_of_block(st.request, i)
+                if h is None:
+                    break
+                if (h, g) in cands:
+                    picked.append((h, g, pool.blocks[bid], cands.pop((h, g))))
+        if picked:
+            pool.touch([b for _, _, b, _ in picked])
+            self.lazy_blocks_stored += len(picked)
+            self._lazy_early.extend(picked)
 
     def _note_store_report(self, eid: int, finished: int, failed: bool) -> None:
         """Count a store event's worker reports; once all are in and none failed, its
@@ -720,8 +859,11 @@ class UMBPScheduler:
 
     @_guarded(_finished_fallback)
     def request_finished(self, request: Request) -> tuple[bool, None]:
-        """Forget the request; never delays freeing its blocks."""
-        self.requests.pop(request.request_id, None)
+        """Forget the request; never delays freeing its blocks (in lazy store mode, its
+        blocks may stay pinned until stored, see ``_pin_finishing``)."""
+        st = self.requests.pop(request.request_id, None)
+        if self.lazy and st is not None and self._lazy_candidates:
+            self._pin_finishing(st)
         self._lookups.pop(request.request_id, None)
         return False, None
 
@@ -736,14 +878,17 @@ class UMBPScheduler:
         pinned = itertools.chain(
             (b for ev in self.pinned.values() for b in ev.blocks),
             (b for pins in self.load_pins.values() for b in pins),
+            (b for _, _, b, _ in self._lazy_early),
         )
         return any(getattr(b, "ref_cnt", 0) == 1 for b in pinned)
 
     @property
     def pinned_blocks(self) -> int:
         """Blocks held for in-flight stores (0 when idle)."""
-        return sum(len(e.blocks) for e in self.pinned.values()) + sum(
-            len(p) for p in self.load_pins.values()
+        return (
+            sum(len(e.blocks) for e in self.pinned.values())
+            + sum(len(p) for p in self.load_pins.values())
+            + len(self._lazy_early)
         )
 
     def reset_cache(self) -> bool:
@@ -756,6 +901,9 @@ class UMBPScheduler:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         for eid in list(self.pinned):
             self._release(eid)
+        early, self._lazy_early = self._lazy_early, []
+        if early and self.block_pool is not None:
+            self.block_pool.free_blocks([b for _, _, b, _ in early])
         for rid in list(self.load_pins):
             pins = self.load_pins.pop(rid)
             if self.block_pool is not None:

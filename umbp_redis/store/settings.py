@@ -188,6 +188,16 @@ OPTIONS: tuple[Option, ...] = (
         "Also store blocks completed by generated tokens, not only prompt blocks.",
     ),
     Option(
+        "store_mode",
+        str,
+        "eager",
+        "When blocks are written to Redis: eager (each complete prompt block right after "
+        "the step that computed it) or lazy (only when vLLM is about to evict it from its "
+        "own prefix cache: blocks near the head of vLLM's free queue are pinned until "
+        "stored, so blocks vLLM never evicts cost no Redis bandwidth).",
+        choices=("eager", "lazy"),
+    ),
+    Option(
         "max_staging_bytes",
         int,
         256 * MiB,
