@@ -418,7 +418,6 @@ def test_lazy_store_mode_stores_what_vllm_evicts_and_nothing_else(
 ) -> None:
     other = sample_prompts(4, 420, seed=7)
     fresh = sample_prompts(3, 420, seed=9)
-    lazy = {"store_mode": "lazy"}
     with EmbeddedRedis() as srv:
         # A small KV cache (11 usable blocks, a prompt needs 4): the second prompt set
         # evicts the first one's blocks, which are stored on their way out.
@@ -426,7 +425,7 @@ def test_lazy_store_mode_stores_what_vllm_evicts_and_nothing_else(
             work,
             "lazy_small",
             tiny_model,
-            connector(srv.url, **lazy),
+            connector(srv.url, store_mode="lazy"),
             [
                 {"op": "generate", "name": "cold"},
                 {"op": "count_keys", "name": "after_cold", "url": srv.url},
@@ -445,7 +444,7 @@ def test_lazy_store_mode_stores_what_vllm_evicts_and_nothing_else(
             work,
             "lazy_big",
             tiny_model,
-            connector(srv.url, **lazy),
+            connector(srv.url, store_mode="lazy"),
             [
                 {"op": "count_keys", "name": "before", "url": srv.url},
                 {"op": "generate", "name": "warm"},
