@@ -88,3 +88,19 @@ def tiny_model() -> Path:
     from umbp_redis.ops.tiny_model import build_tiny_llama
 
     return build_tiny_llama(CACHE / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with its first layer a 256-token sliding window (``layer_types``):
+    vLLM's hybrid KV cache manager gives it a sliding-window and a full-attention group."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("models") / "tiny-llama-swa"
+    shutil.copytree(tiny_model, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    cfg["sliding_window"] = 256
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

@@ -471,3 +471,66 @@ def test_lazy_store_mode_stores_what_vllm_evicts_and_nothing_else(
     leak = small["leak"]
     assert leak["staging_in_use"] == 0 and leak["tracked_requests"] == 0
     assert leak["pinned_blocks"] == leak["lazy_pending"] <= 3 * len(PROMPTS)
+
+
+def test_hybrid_sliding_window_model_stores_per_group_and_loads_every_hit(
+    work: Path, hybrid_model: Path
+) -> None:
+    """A model with a sliding-window layer and a full-attention layer, with vLLM's hybrid
+    KV cache manager on: full attention stores every block, the window only the 2 blocks
+    (256 tokens) before hit points; fresh engines hit every prompt block and the shared
+    prefix alone, with the tokens of an engine without the connector."""
+    long_prompt = sample_prompts(1, 900, seed=5)[0]
+    shares_prefix = sample_prompts(5, 420, seed=1, shared_prefix_words=300)[4]
+    prompts = [*PROMPTS, long_prompt]
+    every = [*prompts, shares_prefix]
+    with EmbeddedRedis() as srv:
+        plain = run_engine(
+            work,
+            "hyb_plain",
+            hybrid_model,
+            None,
+            [{"op": "generate", "name": "g", "prompts": every}],
+        )
+        cold = run_engine(
+            work,
+            "hyb_cold",
+            hybrid_model,
+            connector(srv.url),
+            [{"op": "generate", "name": "g", "prompts": prompts}],
+        )
+        r = redis.Redis.from_url(srv.url)
+        by_group: dict[int, int] = {}
+        for k in r.scan_iter(match="umbp:vllm:v1:*"):
+            g = parse_key(k.decode()).group_id
+            by_group[g] = by_group.get(g, 0) + 1
+        warm = run_engine(
+            work,
+            "hyb_warm",
+            hybrid_model,
+            connector(srv.url),
+            [
+                {"op": "generate", "name": "prefix", "prompts": [shares_prefix]},
+                {"op": "generate", "name": "g", "prompts": prompts},
+            ],
+        )
+        log = (work / "hyb_cold.log").read_text()
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "group 1 object" in log  # the worker planned two cache groups
+    want = tokens(plain["g"])
+    assert tokens(cold["g"]) == want[: len(prompts)]
+    assert tokens(warm["g"]) == want[: len(prompts)]
+    assert tokens(warm["prefix"]) == want[-1:]
+    # Every prompt block of every prompt from Redis in a fresh engine; a prompt that
+    # shares only the 2-block prefix hits it (its window was stored where the first
+    # prompts left the shared prefix).
+    for o in warm["g"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    assert warm["prefix"]["outputs"][0]["cached"] == 2 * BLOCK
+    # Group 0 is the sliding window, group 1 full attention.
+    n_long = cold["g"]["outputs"][-1]["prompt_tokens"]
+    long_blocks = n_long // BLOCK
+    assert long_blocks >= 6
+    assert by_group[1] == 2 + len(PROMPTS) + long_blocks
+    window = {b for end in {(n_long - 1) // BLOCK, n_long // BLOCK} for b in (end - 2, end - 1)}
+    assert by_group[0] == 2 + len(PROMPTS) + len(window)

@@ -763,3 +763,128 @@ def test_eager_mode_is_the_default_and_store_mode_is_checked(model_config: Model
     assert validate_options({})["store_mode"] == "eager"
     with pytest.raises(ConfigError, match="store_mode"):
         validate_options({"store_mode": "later"})
+
+
+def _hybrid_scheduler(model_config: ModelConfig, plane: ScriptedDataPlane) -> UMBPScheduler:
+    """Group 0: sliding window of 2 * BS + 1 tokens (a hit needs the 2 blocks before
+    it); group 1: full attention. A real vLLM KVCacheConfig of two groups."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    kw: dict[str, Any] = {
+        "block_size": BS,
+        "num_kv_heads": 2,
+        "head_size": 64,
+        "dtype": torch.bfloat16,
+    }
+    kv = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["l0"], SlidingWindowSpec(**kw, sliding_window=2 * BS + 1)),
+            KVCacheGroupSpec(["l1"], FullAttentionSpec(**kw)),
+        ],
+    )
+    cfg = make_vllm_config(model_config, extra={"key_namespace": "unit"})
+    opts = validate_options(ktc(cfg).kv_connector_extra_config)
+    return UMBPScheduler(cfg, kv, opts, plane=plane)  # type: ignore[arg-type]
+
+
+def test_hybrid_hit_needs_every_full_block_and_the_window_before_it(
+    model_config: ModelConfig,
+) -> None:
+    plane = ScriptedDataPlane()
+    s = _hybrid_scheduler(model_config, plane)
+    assert s.codec is not None and s.groups == [0, 1]
+    req = request(8 * BS + 10)
+    full = [s.codec.key(h, 1) for h in req.block_hashes]
+    window = [s.codec.key(h, 0) for h in req.block_hashes]
+    # Full attention holds blocks 0..7; the sliding window only blocks 2, 3 and 6:
+    # boundaries 4 (needs window blocks 2, 3) and none above (7 needs 5, 6).
+    plane.present = set(full) | {window[2], window[3], window[6]}
+    assert s.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    # One round trip asks every block of both groups.
+    assert sorted(plane.calls[-1]) == sorted(full[:8] + window[:8])
+    plane.present.add(window[5])
+    assert s.get_num_new_matched_tokens(req, 0) == (7 * BS, True)
+    # Beyond a local hit of 5 blocks only the window blocks from block 5 on count.
+    plane.present -= {window[2], window[3]}
+    assert s.get_num_new_matched_tokens(req, 5 * BS) == (2 * BS, True)
+    # The load: full attention every block of the hit, the window only its 2 blocks,
+    # and never vLLM's null block (a sliding window's blocks before the window).
+    null = SimpleNamespace(is_null=True)
+    real = SimpleNamespace(is_null=False)
+    ids = ([0] * 5 + [15, 16], [10, 11, 12, 13, 14, 20, 21])
+    blocks = SimpleNamespace(
+        get_block_ids=lambda: ids,
+        blocks=([null] * 5 + [real, real], [real] * 7),
+    )
+    s.update_state_after_alloc(req, blocks, 2 * BS)  # type: ignore[arg-type]
+    (batch,) = s.pending_loads
+    assert sorted(zip(batch.group_ids, batch.block_ids, strict=True)) == [
+        (0, 15),
+        (0, 16),
+        (1, 20),
+        (1, 21),
+    ]
+    assert set(batch.block_hashes) == {req.block_hashes[5], req.block_hashes[6]}
+
+
+def test_hybrid_stores_full_blocks_and_the_window_before_hit_points(
+    model_config: ModelConfig,
+) -> None:
+    plane = ScriptedDataPlane()
+    s = _hybrid_scheduler(model_config, plane)
+    assert s.codec is not None
+    # Redis holds a 3-block prefix another prompt stored (full attention only: this
+    # prompt leaves it at block 3) and nothing of the sliding window.
+    req = request(8 * BS + 10)
+    plane.present = {s.codec.key(h, 1) for h in req.block_hashes[:3]}
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    window_ids = list(range(100, 109))
+    full_ids = list(range(200, 209))
+    meta = s.build_connector_meta(
+        _step(new=[("r1", (window_ids, full_ids), 0)], sched={"r1": 8 * BS + 10})
+    )
+    stored = sorted(
+        (g, b)
+        for batch in meta.stores
+        for g, b in zip(batch.group_ids, batch.block_ids, strict=True)
+    )
+    # Full attention: every complete block (the 3 Redis holds were seen present only in
+    # full attention, which is not a hit: all are computed and stored). Sliding window:
+    # the 2 blocks before the prompt's end (block 8) and before where it left Redis's
+    # prefix (block 3).
+    assert [b for g, b in stored if g == 1] == full_ids[:8]
+    assert [b for g, b in stored if g == 0] == [101, 102, 106, 107]
+
+
+def test_hybrid_stores_window_blocks_redis_lacks_from_the_local_cache(
+    model_config: ModelConfig,
+) -> None:
+    plane = ScriptedDataPlane()
+    s = _hybrid_scheduler(model_config, plane)
+    assert s.codec is not None
+    # vLLM's local cache holds the first 3 blocks (another prompt shared them); Redis
+    # has them in full attention only. The window before block 3, where this prompt
+    # leaves the shared prefix, is sent from the engine's local blocks.
+    req = request(6 * BS + 10)
+    plane.present = {s.codec.key(h, 1) for h in req.block_hashes[:3]}
+    assert s.get_num_new_matched_tokens(req, 3 * BS) == (0, False)
+    window_ids = [0, 101, 102, 103, 104, 105, 106]  # block 0: outside the window (null)
+    full_ids = list(range(200, 207))
+    meta = s.build_connector_meta(
+        _step(new=[("r1", (window_ids, full_ids), 3 * BS)], sched={"r1": 3 * BS + 10})
+    )
+    stored = sorted(
+        (g, b)
+        for batch in meta.stores
+        for g, b in zip(batch.group_ids, batch.block_ids, strict=True)
+    )
+    assert [b for g, b in stored if g == 1] == full_ids[3:6]
+    assert [b for g, b in stored if g == 0] == [101, 102, 104, 105]

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from umbp_redis.data import UMBPConnectorMetadata
@@ -41,8 +42,11 @@ def _route_logs_to_vllm() -> None:
 _route_logs_to_vllm()
 
 
-class UMBPRedisConnector(KVConnectorBase_V1):
-    """Redis-backed KV cache for any number of vLLM engines."""
+class UMBPRedisConnector(KVConnectorBase_V1, SupportsHMA):
+    """Redis-backed KV cache for any number of vLLM engines.
+
+    Supports vLLM's hybrid KV cache manager: each cache group has its own keys and its
+    own reach (see ``umbp_redis.data.groups``)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -174,6 +178,12 @@ class UMBPRedisConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)

@@ -7,10 +7,11 @@ engine's KV tensors and a staging buffer. They can all be built and tested witho
 server or a GPU.
 
 One module per concern: ``topology`` (ranks), ``namespace`` (compatibility
-namespaces), ``keys`` (the key schema, light: no torch or vLLM) and ``codec`` (keys of
-blocks), ``ranges`` and ``layout`` (object layouts and range templates), ``plans``
-(transfers), ``state`` (request state), ``metadata`` (what crosses processes).
-``from umbp_redis.data import NAME`` works for every public name; the submodule is
+namespaces), ``groups`` (what each cache group needs for a hit), ``keys`` (the key
+schema, light: no torch or vLLM) and ``codec`` (keys of blocks), ``ranges`` and
+``layout`` (object layouts and range templates), ``plans`` (transfers), ``state``
+(request state), ``metadata`` (what crosses processes). ``from umbp_redis.data import
+NAME`` works for every public name; the submodule is
 imported on first use, so reading keys (``umbp_redis.data.keys``) stays light.
 """
 
@@ -23,6 +24,11 @@ if TYPE_CHECKING:
     from umbp_redis.data.codec import (
         BlockIdentityCodec,
         tp_replicated_group_ids,
+    )
+    from umbp_redis.data.groups import (
+        CacheGroupPlans,
+        CacheGroupReach,
+        UnsupportedCacheGroup,
     )
     from umbp_redis.data.keys import (
         KEY_PREFIX,
@@ -74,6 +80,8 @@ _WHERE = {
     "BlockLoadBatch": "plans",
     "BlockStoreBatch": "plans",
     "BlockTransferPlan": "plans",
+    "CacheGroupPlans": "groups",
+    "CacheGroupReach": "groups",
     "CONNECTOR_NAME": "namespace",
     "DecodedKey": "keys",
     "KEY_PREFIX": "keys",
@@ -95,6 +103,7 @@ _WHERE = {
     "UMBPConnectorWorkerMetadata": "metadata",
     "UMBPHandshakeMetadata": "metadata",
     "UMBPNamespace": "namespace",
+    "UnsupportedCacheGroup": "groups",
     "layer_specs": "namespace",
     "namespace_inputs": "namespace",
     "namespace_pattern": "keys",
@@ -108,6 +117,8 @@ __all__ = [
     "BlockStoreBatch",
     "BlockTransferPlan",
     "CONNECTOR_NAME",
+    "CacheGroupPlans",
+    "CacheGroupReach",
     "DecodedKey",
     "KEY_PREFIX",
     "KVLayoutDescriptor",
@@ -128,6 +139,7 @@ __all__ = [
     "UMBPConnectorWorkerMetadata",
     "UMBPHandshakeMetadata",
     "UMBPNamespace",
+    "UnsupportedCacheGroup",
     "layer_specs",
     "namespace_inputs",
     "namespace_pattern",

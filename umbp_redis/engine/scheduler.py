@@ -30,6 +30,7 @@ from umbp_redis.data import (
     BlockIdentityCodec,
     BlockLoadBatch,
     BlockStoreBatch,
+    CacheGroupPlans,
     LoadSpec,
     RankTopology,
     RequestTracker,
@@ -37,6 +38,7 @@ from umbp_redis.data import (
     UMBPConnectorWorkerMetadata,
     UMBPHandshakeMetadata,
     UMBPNamespace,
+    UnsupportedCacheGroup,
     tp_replicated_group_ids,
 )
 from umbp_redis.store.deployment import DataPlane, shared_plane
@@ -108,7 +110,15 @@ class _RequestState:
     # The codec and the plane's lookup mode the commands were built with.
     codec: BlockIdentityCodec | None = None
     lookup_mode: str = ""
-    replies_per_block: int = 1  # replies of one block's commands
+    replies_per_block: int = 1  # replies of one block's commands (every group's)
+    # Per cache group (in self.groups order): (first reply, replies, keys) in a block's.
+    group_replies: list[tuple[int, int, int]] = field(default_factory=list)
+    # Where the prompt left the prefix Redis held (full-attention groups), seen by the
+    # last lookup: a hit point for groups that store only the blocks before hit points.
+    divergence: int = 0
+    # (block, group position) the last lookup found absent, for groups that store only
+    # the blocks before hit points (they may lack blocks the engine holds locally).
+    absent: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -185,6 +195,12 @@ class UMBPScheduler:
         self.block_size = int(
             kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
         )
+        try:
+            self.group_plans = CacheGroupPlans.from_kv_cache_config(kv_cache_config, self.groups)
+        except UnsupportedCacheGroup as e:
+            log.error("umbp-redis: %s; this engine neither looks up nor stores blocks", e)
+            self.group_plans = CacheGroupPlans(())
+            self.can_load = self.can_store = False
         self.hash_block_size = int(kv_cache_config.hash_block_size or self.block_size)
         self.replicated = tp_replicated_group_ids(kv_cache_config, self.topology)
         configured = UMBPNamespace.configured(vllm_config)
@@ -303,30 +319,33 @@ class UMBPScheduler:
         mode = self.plane.lookup_mode
         if st.codec is not codec or st.lookup_mode != mode:
             st.lookup_cmds, st.codec, st.lookup_mode = [], codec, mode
+            st.group_replies = []
         cmds = st.lookup_cmds
-        for i in range(len(cmds), upto):
+        n_groups = len(self.groups)
+        for i in range(len(cmds) // n_groups, upto):
             h = self._hash_of_block(st.request, i)
             if h is None:
                 break
             hx = h.hex().encode()
             enc = self._encoders.get(len(hx))
             if enc is None or enc[0] is not codec or enc[1] != mode:
-                prefixes = [p.encode() for g in self.groups for p in codec.key_prefixes(g)]
-                enc = self._encoders[len(hx)] = (
-                    codec,
-                    mode,
+                encoders = [
                     self.plane.lookup_encoder(
-                        prefixes, refresh_ttl=self._refresh_ttl, hash_hex_len=len(hx)
-                    ),
-                )
-            cmds.append(enc[2].encode(hx))
-            st.replies_per_block = enc[2].replies
+                        [p.encode() for p in codec.key_prefixes(g)],
+                        refresh_ttl=self._refresh_ttl,
+                        hash_hex_len=len(hx),
+                    )
+                    for g in self.groups
+                ]
+                enc = self._encoders[len(hx)] = (codec, mode, encoders)
+            cmds.extend(e.encode(hx) for e in enc[2])
+            if not st.group_replies:
+                first = 0
+                for g, e in zip(self.groups, enc[2], strict=True):
+                    st.group_replies.append((first, e.replies, len(codec.key_prefixes(g))))
+                    first += e.replies
+                st.replies_per_block = first
         return cmds
-
-    @property
-    def _keys_per_block(self) -> int:
-        assert self.codec is not None
-        return sum(len(self.codec.key_prefixes(g)) for g in self.groups)
 
     def _lookup_fallback(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
@@ -354,17 +373,17 @@ class UMBPScheduler:
         max_blocks = (request.num_prompt_tokens - 1) // bs  # the last token is computed
         start = num_computed_tokens // bs
         cmds = self._lookup_cmds(st, max_blocks)
-        if len(cmds) <= start:
+        n_blocks = len(cmds) // len(self.groups)
+        if n_blocks <= start:
             return 0, False
-        n_blocks = len(cmds)
-        per_block = self._keys_per_block
         replies_per_block = st.replies_per_block
         count = n_blocks * replies_per_block
         if self._lookup_pool is not None:
             sig = (num_computed_tokens, n_blocks)
             entry = self._lookups.get(request.request_id)
             if entry is None or entry[0] != sig:
-                fut = self._lookup_pool.submit(self.plane.lookup_blocks, cmds[:n_blocks], count)
+                n_cmds = n_blocks * len(self.groups)
+                fut = self._lookup_pool.submit(self.plane.lookup_blocks, cmds[:n_cmds], count)
                 self._lookups[request.request_id] = (sig, fut)
                 return None, False
             if not entry[1].done():
@@ -374,17 +393,34 @@ class UMBPScheduler:
             replies = self.plane.lookup_blocks(cmds, count)
         if replies is None or len(replies) != count:
             return 0, False
-        hits = 0
         now = time.monotonic() if self.quarantine else 0.0
-        for b in range(start, n_blocks):
-            if sum(replies[b * replies_per_block : (b + 1) * replies_per_block]) != per_block:
-                break
+        groups = st.group_replies
+        skipped: set[int] = set()
+
+        def present(b: int, pos: int) -> bool:
+            first, n, keys = groups[pos]
+            at = b * replies_per_block + first
+            if sum(replies[at : at + n]) != keys:
+                return False
             if now and self._quarantined(request, b, now):
-                self.quarantine_skips += 1
-                break
-            hits += 1
-        st.hit_blocks = max(st.hit_blocks, start + hits)
-        tokens = (start + hits) * bs - num_computed_tokens
+                skipped.add(b)
+                return False
+            return True
+
+        plans = self.group_plans
+        if not plans.all_full:
+            st.absent = {
+                (b, pos)
+                for pos, r in enumerate(plans.groups)
+                if not r.stores_all()
+                for b in range(n_blocks)
+                if not present(b, pos)
+            }
+        st.divergence = plans.full_prefix_end(start, n_blocks, present)
+        hit = plans.longest_hit(start, n_blocks, present)
+        self.quarantine_skips += bool(skipped)
+        st.hit_blocks = max(st.hit_blocks, hit)
+        tokens = hit * bs - num_computed_tokens
         if tokens <= 0:
             return 0, False
         return tokens, self.load_async
@@ -421,12 +457,12 @@ class UMBPScheduler:
             return
         try:
             local = self.requests[request.request_id].local_tokens
-            ids = blocks.get_block_ids()
             bs = self.block_size
             block_ids = tuple(
-                ids[g][i]
-                for i in range(local // bs, (local + num_external_tokens) // bs)
-                for g in self.groups
+                b
+                for _, _, b in self._hit_blocks(
+                    blocks, local // bs, (local + num_external_tokens) // bs
+                )
             )
         except Exception as e:
             log.error("umbp-redis: cannot report the failed load of %s: %r", request.request_id, e)
@@ -442,6 +478,23 @@ class UMBPScheduler:
             )
         )
 
+    def _hit_blocks(self, blocks: Any, first: int, last: int) -> list[tuple[int, int, int]]:
+        """(block index, group, engine block id) of the blocks a hit over blocks
+        ``[first, last)`` loads, in block order: every group's blocks its reach needs
+        (a sliding window only the blocks before ``last``), never vLLM's null block."""
+        ids = blocks.get_block_ids()
+        kv_blocks = getattr(blocks, "blocks", None)
+        needed = [(r.group_id, r.needed(last, first)) for r in self.group_plans.groups]
+        out = []
+        for i in range(first, last):
+            for g, wanted in needed:
+                if i not in wanted or i >= len(ids[g]):
+                    continue
+                if kv_blocks is not None and getattr(kv_blocks[g][i], "is_null", False):
+                    continue
+                out.append((i, g, ids[g][i]))
+        return out
+
     @_guarded(_alloc_fallback)
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
@@ -454,16 +507,14 @@ class UMBPScheduler:
         spec = LoadSpec(st.local_tokens, st.local_tokens + num_external_tokens, self.load_async)
         first = st.local_tokens // bs
         last = (st.local_tokens + num_external_tokens) // bs
-        ids = blocks.get_block_ids()
         hashes, block_ids, group_ids = [], [], []
-        for i in range(first, last):
+        for i, g, block_id in self._hit_blocks(blocks, first, last):
             h = self._hash_of_block(request, i)
             if h is None:
                 break
-            for g in self.groups:
-                hashes.append(h)
-                block_ids.append(ids[g][i])
-                group_ids.append(g)
+            hashes.append(h)
+            block_ids.append(block_id)
+            group_ids.append(g)
         self.pending_loads.append(
             BlockLoadBatch(
                 request.request_id,
@@ -603,16 +654,36 @@ class UMBPScheduler:
         skip_below = max(st.hit_blocks, tr.num_loaded_tokens // bs)
         hashes, block_ids, group_ids, indices = [], [], [], []
         saved_to = first
+        reaches = self.group_plans.groups
+        # Groups that keep only the blocks before hit points: the prompt's end (the same
+        # prompt, or a conversation continuing it) and where it left Redis's prefix.
+        hit_points = {(req.num_prompt_tokens - 1) // bs, req.num_prompt_tokens // bs}
+        if 0 < st.divergence:
+            hit_points.add(st.divergence)
+        kept = [
+            None if r.stores_all() else set(r.stored(range(first, last), hit_points))
+            for r in reaches
+        ]
+        null_id = getattr(getattr(self.block_pool, "null_block", None), "block_id", None)
         for i in range(first, last):
             h = self._hash_of_block(req, i)
             if h is None:
                 break
             saved_to = i + 1
-            if i < skip_below:
+            below = i < skip_below  # in Redis, or in vLLM's local cache
+            if below and not st.absent:
                 continue
-            for g in self.groups:
+            for pos, g in enumerate(self.groups):
                 if not tr.block_ids or i >= len(tr.block_ids[g]):
                     break
+                wanted = kept[pos]
+                if wanted is None:
+                    if below:
+                        continue
+                elif i not in wanted or tr.block_ids[g][i] == null_id:
+                    continue  # a block no hit point of this group needs
+                elif below and (i, pos) not in st.absent:
+                    continue  # needed, and Redis has it
                 if (h, g) in self._planned_this_step:
                     continue  # another request of this step computed the same block
                 self._planned_this_step.add((h, g))
@@ -754,7 +825,7 @@ class UMBPScheduler:
                 h = self._hash_of_block(st.request, i)
                 if h is None:
                     break
-                if (h, g) in cands:
+                if (h, g) in cands and not pool.blocks[bid].is_null:
                     picked.append((h, g, pool.blocks[bid], cands.pop((h, g))))
         if picked:
             pool.touch([b for _, _, b, _ in picked])
