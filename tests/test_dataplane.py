@@ -608,3 +608,33 @@ def test_reply_buffer_gives_memory_back_after_a_large_reply(plane: RedisDataPlan
     assert plane.load([(small, np.zeros(64, dtype=np.uint8).data)], FP) == [LoadStatus.LOADED]
     with plane.pool.connection() as conn:
         assert len(conn.reader.buf) <= 4 * resp._READ_CHUNK
+
+
+@pytest.mark.parametrize("size", [65536, 3 * 65536 + 123, (2 << 20) - 5000])
+def test_load_into_pieces_equals_load_into_one_buffer(
+    plane: RedisDataPlane, redis_url: str, size: int
+) -> None:
+    """A destination given as consecutive pieces (a block's pages in the KV cache) gets
+    the same bytes, with the header's tail (``body_length(size) < size``) and checksum
+    spread over the pieces; a corrupted value is invalid either way."""
+    src = payloads(3, size, seed=size)
+    keys = keys_for(3, f"pc{size:x}")
+    assert plane.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 3
+    whole = np.zeros_like(src)
+    parts = np.zeros_like(src)
+    cuts = [0, 1, size // 3, size - 7, size]  # a 1-byte piece and one inside the tail
+    pieces = [[parts[i][a:b].data for a, b in zip(cuts, cuts[1:], strict=False)] for i in range(3)]
+    assert (
+        plane.load([(k, whole[i].data) for i, k in enumerate(keys)], FP) == [LoadStatus.LOADED] * 3
+    )
+    assert plane.load(list(zip(keys, pieces, strict=True)), FP) == [LoadStatus.LOADED] * 3
+    assert np.array_equal(whole, src) and np.array_equal(parts, src)
+    r = redis.Redis.from_url(redis_url)
+    body = bytearray(raw(r.hget(keys[1], "b")))
+    body[len(body) // 2] ^= 0x01
+    r.hset(keys[1], "b", bytes(body))
+    st = plane.load(list(zip(keys, pieces, strict=True)), FP)
+    assert st == [LoadStatus.LOADED, LoadStatus.INVALID, LoadStatus.LOADED]
+    # Pieces that do not add up to the stored size are an invalid value, not an overrun.
+    short = [parts[0][: size // 2].data, parts[0][size // 2 : size - 1].data]
+    assert plane.load([(keys[0], short)], FP) == [LoadStatus.INVALID]

@@ -12,6 +12,7 @@ import torch
 from kv_fixtures import attn_spec, vllm_layout_caches
 from layout_cases import fill_random, page_bytes
 from test_data_identity import ktc, make_vllm_config
+from typed_redis import raw
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -170,6 +171,7 @@ def test_staging_budget_below_one_object_is_a_config_error(
 def test_cancelled_load_is_not_scattered(model_config: ModelConfig, redis_url: str) -> None:
     src, caches = stored_source(model_config, redis_url, H1, 3, seed=2)
     dst, dst_caches = make_worker(model_config, redis_url)
+    dst.direct_loads = False  # the staging path (device KV caches); see the next test
     dst.bind(UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H1,), (6,), (0,))]))
     with dst._lock:  # the scheduler preempts r2 before its load lands
         dst._cancelled.add("r2")
@@ -408,3 +410,37 @@ def test_unplannable_loads_fail_at_once_and_cancel_bookkeeping_is_bounded(
     for i in range(1000):
         step(w, UMBPConnectorMetadata(cancelled_requests=[f"gone{i}"]))
     assert not w._cancelled and not w._loading
+
+
+def test_host_kv_loads_receive_straight_into_the_blocks_without_staging(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    import redis as redis_py
+
+    src1, caches1 = stored_source(model_config, redis_url, H1, 3, seed=21)
+    src2, caches2 = stored_source(model_config, redis_url, H2, 5, seed=22)
+    one_slot = object_size(model_config, redis_url)
+    # One staging slot: through staging a two-block load could not even start.
+    dst, dst_caches = make_worker(model_config, redis_url, max_staging_bytes=one_slot)
+    assert dst.staging is not None and dst.staging.num_slots == 1
+    views = dst._receive_views([dst._plan(p, "r") for p in BlockLoadBatch("r", (H1,), (9,), (0,))])
+    assert views is not None and sum(v.nbytes for v in views[0]) == one_slot
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H1, H2), (9, 10), (0, 0))]))
+    assert wait_loaded(dst, "r2") == set()
+    assert dst.staging.free_slots == 1
+    for name in dst_caches:
+        assert torch.equal(page_bytes(dst_caches[name], 9, NB), page_bytes(caches1[name], 3, NB))
+        assert torch.equal(page_bytes(dst_caches[name], 10, NB), page_bytes(caches2[name], 5, NB))
+    # A value whose body fails its checksum is received into the block too, but the
+    # block is reported failed (vLLM recomputes it before reading it) and the value
+    # is removed.
+    r = redis_py.Redis.from_url(redis_url)
+    k1 = src1.codec.key(H1, 0)
+    body = bytearray(raw(r.hget(k1, "b")))
+    body[100] ^= 0xFF
+    r.hset(k1, "b", bytes(body))
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r3", (H1, H2), (11, 12), (0, 0))]))
+    assert wait_loaded(dst, "r3") == {11}
+    assert not r.exists(k1)
+    for name in dst_caches:
+        assert torch.equal(page_bytes(dst_caches[name], 12, NB), page_bytes(caches2[name], 5, NB))

@@ -192,6 +192,9 @@ class UMBPWorker:
         self._stores_submitted = False
         self.bases: dict[str, int] = {}
         self.copier: BlockCopier | None = None
+        # Loads into host KV caches receive straight into the blocks (tests turn it off
+        # to compare with the staging path).
+        self.direct_loads = True
         self.staging: StagingPool | None = None
         log.info(
             "umbp-redis worker %s: key namespace %s (%s)",
@@ -443,15 +446,23 @@ class UMBPWorker:
         try:
             plans = [self._plan(p, batch.request_id) for p in batch]
             staging, copier = self.staging, self.copier
-            slots = staging.acquire(len(plans)) if staging else None
-            if slots is None or staging is None or copier is None:
+            # Host KV caches take the values straight into the destination blocks (no
+            # staging, no scatter); a block whose value fails validation is reported
+            # failed and recomputed before vLLM reads it.
+            targets: list[Any] | None = self._receive_views(plans)
+            if targets is None and staging is not None:
+                slots = staging.acquire(len(plans))
+                if slots is not None:
+                    targets = [
+                        staging.array(slot)[: p.object_size]
+                        for slot, p in zip(slots, plans, strict=True)
+                    ]
+            if targets is None or copier is None:
                 failed = {p.block_id for p in plans}
                 return
             statuses: list[LoadStatus] = [LoadStatus.ERROR] * len(plans)
             for fp, idx in _by_fingerprint(plans).items():
-                items = [
-                    (plans[i].key, staging.array(slots[i])[: plans[i].object_size]) for i in idx
-                ]
+                items = [(plans[i].key, targets[i]) for i in idx]
                 for i, s in zip(idx, self.plane.load(items, fp), strict=True):
                     statuses[i] = s
             with self._lock:
@@ -492,7 +503,7 @@ class UMBPWorker:
             failed = {
                 p.block_id for i, p in enumerate(plans) if statuses[i] is not LoadStatus.LOADED
             }
-            if loaded:
+            if loaded and slots is not None:
                 # The request is reported finished only after the bytes are in its blocks.
                 copier.scatter(
                     _copy_plan([plans[i] for i in loaded], [slots[i] for i in loaded]), after
@@ -518,6 +529,20 @@ class UMBPWorker:
                 else:
                     self._loading.pop(batch.request_id, None)
                     self._cancelled.discard(batch.request_id)
+
+    def _receive_views(self, plans: list[BlockTransferPlan]) -> list[list[memoryview]] | None:
+        """Each block's engine memory to receive its value into, or None where the
+        copier needs staging (device memory) for any of them."""
+        views_of = getattr(self.copier, "receive_views", None)
+        if views_of is None or not self.direct_loads:
+            return None
+        out = []
+        for p in plans:
+            views = views_of(p.group_id, p.block_id)
+            if views is None or sum(v.nbytes for v in views) != p.object_size:
+                return None
+            out.append(views)
+        return out
 
     def _fail_load(self, batch: BlockLoadBatch, report: bool) -> None:
         """Report every block of ``batch`` as not loaded (vLLM recomputes them)."""

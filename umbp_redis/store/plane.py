@@ -47,7 +47,7 @@ from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.value_format import (
     HEADER_SIZE,
     InvalidValue,
-    checksum,
+    checksum_of_pieces,
     decode_header,
     encode_header,
     validate_header,
@@ -55,6 +55,43 @@ from umbp_redis.store.value_format import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def target_views(target: Buffer | list[Buffer]) -> list[memoryview]:
+    """A load destination as byte views in payload order: one buffer, or a list of
+    buffers that receive consecutive pieces of the payload (e.g. a block's pages in the
+    engine's KV cache)."""
+    if isinstance(target, list):
+        return [memoryview(p).cast("B") for p in target]
+    return [memoryview(target).cast("B")]
+
+
+def _views_nbytes(views: Sequence[memoryview]) -> int:
+    return sum(v.nbytes for v in views)
+
+
+def _read_into_pieces(reader: Any, pieces: Sequence[memoryview], n: int) -> None:
+    """Fill the first ``n`` bytes of ``pieces`` (in order) from the stream."""
+    for p in pieces:
+        if n <= 0:
+            return
+        take = min(n, p.nbytes)
+        reader.read_exact_into(p[:take])
+        n -= take
+
+
+def _write_at(pieces: Sequence[memoryview], offset: int, data: bytes) -> None:
+    """Write ``data`` at payload offset ``offset`` across ``pieces``."""
+    pos = 0
+    for p in pieces:
+        end = pos + p.nbytes
+        if data and end > offset:
+            start = offset - pos
+            take = min(p.nbytes - start, len(data))
+            p[start : start + take] = data[:take]
+            data, offset = data[take:], offset + take
+        pos = end
+
 
 _MIN_BYTES_PER_CONNECTION = 4 << 20
 
@@ -136,7 +173,7 @@ def record_loads(
 ) -> None:
     """Add the outcome of one ``load`` call to ``stats``."""
     ok = [
-        memoryview(d).nbytes
+        _views_nbytes(target_views(d))
         for (_, d), s in zip(items, results, strict=True)
         if s is LoadStatus.LOADED
     ]
@@ -662,7 +699,8 @@ class RedisDataPlane:
     def load(
         self, items: Sequence[tuple[str | bytes, Buffer]], fingerprint: bytes
     ) -> list[LoadStatus]:
-        """Read each key into its destination buffer; per-key status, in order.
+        """Read each key into its destination (a buffer, or a list of buffers that take
+        consecutive pieces of the payload: see ``target_views``); per-key status, in order.
 
         A destination's content is meaningful only where the status is ``LOADED``: a
         value that fails validation is reported ``INVALID`` and a missing key
@@ -686,9 +724,9 @@ class RedisDataPlane:
         (for the cluster client); with ``asking`` each ``HMGET`` follows an ``ASKING``."""
         if not items:
             return []
-        dests = [memoryview(d).cast("B") for _, d in items]
+        dests = [target_views(d) for _, d in items]
         sub = [(_key_bytes(k), dests[i]) for i, (k, _) in enumerate(items)]
-        total = sum(d.nbytes for d in dests)
+        total = sum(_views_nbytes(d) for d in dests)
         error: LoadStatus | RedisRedirectError = LoadStatus.ERROR
         return self._fan_out(
             len(sub),
@@ -699,14 +737,14 @@ class RedisDataPlane:
 
     def _load_range(
         self,
-        sub: Sequence[tuple[bytes, memoryview]],
+        sub: Sequence[tuple[bytes, list[memoryview]]],
         rng: range,
         fingerprint: bytes,
         asking: bool = False,
     ) -> list[LoadStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
-        groups = _groups([sub[i][1].nbytes + 128 for i in idx], window)
+        groups = _groups([_views_nbytes(sub[i][1]) + 128 for i in idx], window)
         pre = _ASKING if asking else b""
         with self.pool.connection() as conn:
             return self._windowed(
@@ -726,11 +764,12 @@ class RedisDataPlane:
         self,
         conn: RedisConnection,
         key: bytes,
-        dest: memoryview,
+        dest: list[memoryview],
         fingerprint: bytes,
         asking: bool = False,
     ) -> LoadStatus | RedisRedirectError:
         r = conn.reader
+        size = _views_nbytes(dest)
         if asking:
             r.read_reply()  # ASKING's +OK
         n = r.read_array_header()
@@ -748,7 +787,7 @@ class RedisDataPlane:
         hlen = r.read_bulk_header()
         if isinstance(hlen, ErrorReply):
             raise RedisDataPlaneError(hlen.message)
-        too_long = hlen > HEADER_SIZE + dest.nbytes
+        too_long = hlen > HEADER_SIZE + size
         field_h = None if hlen < 0 or too_long else r.read_exact(hlen + 2)[:-2]
         if too_long:
             r.skip(hlen + 2)
@@ -767,7 +806,7 @@ class RedisDataPlane:
             validate_header(
                 hdr,
                 fingerprint=fingerprint,
-                payload_len=dest.nbytes,
+                payload_len=size,
                 body_field_len=blen,
                 key=key,
                 require_checksum=self.settings.checksum,
@@ -777,11 +816,11 @@ class RedisDataPlane:
             if blen >= 0:
                 r.skip(blen + 2)
             return LoadStatus.INVALID
-        r.read_exact_into(dest[:blen])
+        _read_into_pieces(r, dest, blen)
         r.expect_crlf()
         if hdr.tail_len:
-            dest[blen:] = field_h[HEADER_SIZE:]
-        if hdr.has_checksum and checksum(dest) != hdr.checksum:
+            _write_at(dest, blen, field_h[HEADER_SIZE:])
+        if hdr.has_checksum and checksum_of_pieces(dest) != hdr.checksum:
             log.debug("checksum mismatch")
             return LoadStatus.INVALID
         return LoadStatus.LOADED

@@ -30,6 +30,7 @@ validation there. A reader that requires checksums rejects a value without one.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -67,6 +68,16 @@ def body_length(payload_len: int) -> int:
 def checksum(payload: memoryview | bytes | bytearray) -> int:
     """The payload checksum (xxh3-64)."""
     return int(xxhash.xxh3_64_intdigest(payload))
+
+
+def checksum_of_pieces(pieces: Sequence[memoryview]) -> int:
+    """``checksum`` of the payload made of ``pieces`` in order (no copy)."""
+    if len(pieces) == 1:
+        return checksum(pieces[0])
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        h.update(p)
+    return int(h.intdigest())
 
 
 def key_digest(key: bytes) -> bytes:

@@ -210,6 +210,10 @@ class CupyBlockCopier:
         with cupy.cuda.Device(self.device.index), self._cupy_streams[direction]:
             self._kernel((n_chunks, len(blocks)), (self._threads,), args)
 
+    def receive_views(self, group_id: int, block_id: int) -> list[memoryview] | None:
+        """Device memory cannot be received into: loads go through staging (None)."""
+        return None
+
     def _upload(self, array: np.ndarray, non_blocking: bool = False) -> torch.Tensor:
         """``array`` in device memory, allocated on the calling thread's current stream.
 

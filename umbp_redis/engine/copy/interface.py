@@ -59,6 +59,11 @@ class BlockCopier(Protocol):
     def scatter(self, plan: StagingCopyPlan, after: object | None = None) -> CopyHandle:
         """Copy the plan's staging slots into its engine blocks, after ``after``."""
 
+    def receive_views(self, group_id: int, block_id: int) -> list[memoryview] | None:
+        """The block's object as writable views of engine memory in object order, where
+        a load can receive straight into the block (host memory, no ordering needed);
+        None where loads must go through staging and ``scatter``."""
+
 
 class DoneHandle:
     """The handle of a copy that finished before it was returned."""

@@ -160,6 +160,27 @@ class TorchBlockCopier:
         """Copies are synchronous: nothing to order against (None)."""
         return None
 
+    def receive_views(self, group_id: int, block_id: int) -> list[memoryview] | None:
+        """The block's object as views of the engine's host memory, in object order
+        (adjacent pieces merged), so a load can receive into the block with no copy;
+        None for CUDA tensors or a block id out of range."""
+        runs = self._runs.get(group_id)
+        if runs is None or not 0 <= block_id < self._num_blocks:
+            return None
+        pieces: list[tuple[torch.Tensor, int, int]] = []  # storage bytes, offset, length
+        for bound in runs:
+            if bound.flat.device.type != "cpu":
+                return None
+            r = bound.run
+            for k in range(r.count):
+                off = bound.offset + block_id * r.block_stride + k * r.step
+                last = pieces[-1] if pieces else None
+                if last is not None and last[0] is bound.flat and last[1] + last[2] == off:
+                    pieces[-1] = (last[0], last[1], last[2] + r.length)
+                else:
+                    pieces.append((bound.flat, off, r.length))
+        return [flat[off : off + n].numpy().data for flat, off, n in pieces]
+
     def gather(self, plan: StagingCopyPlan) -> DoneHandle:
         """Copy the plan's blocks into its slots now."""
         self._copy(plan, to_staging=True)

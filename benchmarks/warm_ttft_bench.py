@@ -1,0 +1,227 @@
+"""Warm time to first token: a fresh engine loading a prompt's prefix from Redis against
+vLLM's own local prefix cache, and the engine's load rate against the data plane's.
+
+Two vLLM CPU engines run side by side (one process each, alive together, driven in turn
+so the machine's drift hits both): ``local`` without the connector, its prefix cache
+warm; ``redis`` with the connector, its local prefix cache reset before every prompt so
+the prefix comes from Redis. Both get the same ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (vLLM
+reserves one more core when a connector is configured). The model is random and
+prefill-bound: Llama, hidden 1024, 8 layers, 4 KV heads of 64, fp32, so an object (one
+block of 128 tokens, every layer) is 2 MiB.
+
+Prints, per prompt and as medians over interleaved repetitions: warm TTFT of both
+engines and their ratio (goal <= 1.1x), and the in-engine load GB/s (bytes loaded over
+load time, from the worker's counters) against ``umbp_gbps`` of the data-plane
+benchmark on 2 MiB objects in the same run (goal >= 0.8x).
+
+Usage: .venv/bin/python benchmarks/warm_ttft_bench.py [--prompts 3] [--words 3000] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = {
+    "hidden_size": 1024,
+    "num_layers": 8,
+    "num_attention_heads": 16,
+    "num_kv_heads": 4,
+    "intermediate_size": 2816,
+    "max_position_embeddings": 4096,
+}
+OBJECT_BYTES = 8 * 2 * 4 * 64 * 128 * 4  # layers x (K, V) x heads x head size x tokens x fp32
+
+
+def serve(spec: dict[str, Any]) -> None:
+    """One engine; reads JSON commands on stdin, answers one JSON line each."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker is in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if spec.get("redis_url"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="UMBPRedisConnector",
+            kv_connector_module_path="umbp_redis.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"redis_url": spec["redis_url"]},
+        )
+    llm = LLM(
+        model=spec["model"],
+        max_model_len=4096,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_num_batched_tokens=4096,
+        **kw,
+    )
+    totals: dict[str, float] = {}
+    if kw:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker: Any = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
+        add = worker.stats.add
+
+        def counted(**values: float) -> None:
+            for k, v in values.items():
+                totals[k] = totals.get(k, 0) + v
+            add(**values)
+
+        worker.stats.add = counted
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "ttft":
+            t0 = time.perf_counter()
+            out = llm.generate([cmd["prompt"]], one, use_tqdm=False)[0]
+            dt = time.perf_counter() - t0
+            reply: dict[str, Any] = {
+                "s": dt,
+                "cached": out.num_cached_tokens,
+                "token": out.outputs[0].token_ids[0],
+            }
+        elif cmd["op"] == "reset":
+            deadline = time.time() + 30
+            while not llm.reset_prefix_cache() and time.time() < deadline:
+                time.sleep(0.05)  # blocks still pinned by stores in flight
+            reply = {"ok": True}
+        elif cmd["op"] == "stats":
+            reply = dict(totals)
+            totals.clear()
+        else:
+            break
+        print(json.dumps(reply), flush=True)
+
+
+class Engine:
+    """An engine process of ``serve``."""
+
+    def __init__(self, model: Path, redis_url: str | None, log: Path) -> None:
+        spec = json.dumps({"model": str(model), "redis_url": redis_url})
+        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(log, "w"),
+            text=True,
+            env=env,
+        )
+
+    def ready(self) -> None:
+        self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("engine process ended; see its log")
+            if line.startswith("{"):
+                return json.loads(line)  # type: ignore[no-any-return]
+
+    def ask(self, op: str, **kw: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.ask("quit")
+        except Exception:
+            pass
+        self.proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--words", type=int, default=3000)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--work", default=".umbp-bench-cache")
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        serve(json.loads(args.serve))
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from umbp_redis.ops.bench_dataplane import umbp_gbps
+    from umbp_redis.ops.embedded_redis import EmbeddedRedis
+    from umbp_redis.ops.tiny_model import TinyModelSpec, build_tiny_llama, sample_prompts
+    from umbp_redis.store.plane import RedisDataPlane
+    from umbp_redis.store.settings import RedisSettings
+
+    work = Path(args.work)
+    work.mkdir(exist_ok=True)
+    model = build_tiny_llama(work / "prefill-bound-llama", TinyModelSpec(**MODEL))
+    prompts = sample_prompts(args.prompts, args.words, seed=11)
+    with EmbeddedRedis() as server:
+        plane = RedisDataPlane(RedisSettings.from_url(server.url))
+        local = Engine(model, None, work / "local.log")
+        redis = Engine(model, server.url, work / "redis.log")
+        local.ready()
+        redis.ready()
+        try:
+            # Cold pass: the redis engine stores every prompt, the local one fills its cache.
+            cold = [redis.ask("ttft", prompt=p)["s"] for p in prompts]
+            for p in prompts:
+                local.ask("ttft", prompt=p)
+            time.sleep(2)
+            redis.ask("stats")
+            rows: list[list[dict[str, Any]]] = [[] for _ in prompts]
+            plane_load: list[float] = []
+            engine_load: list[float] = []
+            for _ in range(args.reps):
+                plane_load.append(umbp_gbps(plane, OBJECT_BYTES, 24, 1)["load"])
+                for i, p in enumerate(prompts):
+                    a = local.ask("ttft", prompt=p)
+                    redis.ask("reset")
+                    b = redis.ask("ttft", prompt=p)
+                    rows[i].append({"local": a, "redis": b})
+                st = redis.ask("stats")
+                if st.get("load_ms_total"):
+                    engine_load.append(st["bytes_loaded"] / (st["load_ms_total"] / 1e3) / 1e9)
+        finally:
+            local.close()
+            redis.close()
+    print(f"model: {MODEL}, fp32, objects of {OBJECT_BYTES >> 20} MiB; {args.reps} repetitions")
+    print(
+        f"{'prompt':>6} {'tokens hit':>10} {'cold s':>8} {'local s':>8} {'redis s':>8} {'ratio':>6}"
+    )
+    ratios = []
+    for i, reps in enumerate(rows):
+        loc = statistics.median(r["local"]["s"] for r in reps)
+        red = statistics.median(r["redis"]["s"] for r in reps)
+        hit = reps[-1]["redis"]["cached"]
+        same = all(r["local"]["token"] == r["redis"]["token"] for r in reps)
+        ratios.append(red / loc)
+        print(
+            f"{i:>6} {hit:>10} {cold[i]:8.3f} {loc:8.3f} {red:8.3f} {red / loc:5.2f}x"
+            + ("" if same else "  (first tokens differ!)")
+        )
+    print(
+        f"warm TTFT, redis / local prefix cache (median over prompts): "
+        f"{statistics.median(ratios):.2f}x (goal <= 1.1x)"
+    )
+    if engine_load:
+        e, d = statistics.median(engine_load), statistics.median(plane_load)
+        print(
+            f"load GB/s: in the engine {e:.2f}, data-plane bench {d:.2f} (2 MiB objects): "
+            f"{e / d:.2f}x (goal >= 0.8x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
