@@ -54,7 +54,7 @@ def serve(spec: dict[str, Any]) -> None:
             kv_connector_module_path="umbp_redis.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"redis_url": spec["redis_url"]},
+            kv_connector_extra_config={"redis_url": spec["redis_url"], **spec.get("extra", {})},
         )
     llm = LLM(
         model=spec["model"],
@@ -70,6 +70,7 @@ def serve(spec: dict[str, Any]) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker: Any = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
+        worker.direct_loads = bool(spec.get("direct", True))
         add = worker.stats.add
 
         def counted(**values: float) -> None:
@@ -107,8 +108,17 @@ def serve(spec: dict[str, Any]) -> None:
 class Engine:
     """An engine process of ``serve``."""
 
-    def __init__(self, model: Path, redis_url: str | None, log: Path) -> None:
-        spec = json.dumps({"model": str(model), "redis_url": redis_url})
+    def __init__(
+        self,
+        model: Path,
+        redis_url: str | None,
+        log: Path,
+        direct: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        spec = json.dumps(
+            {"model": str(model), "redis_url": redis_url, "direct": direct, "extra": extra or {}}
+        )
         env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", spec],
@@ -151,6 +161,14 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=3000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--work", default=".umbp-bench-cache")
+    ap.add_argument(
+        "--compare",
+        choices=("none", "staging", "python-gil"),
+        default="none",
+        help="also run a third engine: one that loads through staging and scatter (the "
+        "path before loads received straight into host KV caches), or one that leaves "
+        "Python's 5 ms thread switch interval (gil_switch_interval_ms: 0)",
+    )
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -171,8 +189,17 @@ def main() -> None:
         plane = RedisDataPlane(RedisSettings.from_url(server.url))
         local = Engine(model, None, work / "local.log")
         redis = Engine(model, server.url, work / "redis.log")
+        staged: Engine | None = None
+        if args.compare == "staging":
+            staged = Engine(model, server.url, work / "other.log", direct=False)
+        elif args.compare == "python-gil":
+            staged = Engine(
+                model, server.url, work / "other.log", extra={"gil_switch_interval_ms": 0}
+            )
         local.ready()
         redis.ready()
+        if staged is not None:
+            staged.ready()
         try:
             # Cold pass: the redis engine stores every prompt, the local one fills its cache.
             cold = [redis.ask("ttft", prompt=p)["s"] for p in prompts]
@@ -180,22 +207,34 @@ def main() -> None:
                 local.ask("ttft", prompt=p)
             time.sleep(2)
             redis.ask("stats")
+            if staged is not None:
+                for p in prompts:
+                    staged.ask("ttft", prompt=p)
+                staged.ask("stats")
             rows: list[list[dict[str, Any]]] = [[] for _ in prompts]
             plane_load: list[float] = []
             engine_load: list[float] = []
+            staged_load: list[float] = []
             for _ in range(args.reps):
                 plane_load.append(umbp_gbps(plane, OBJECT_BYTES, 24, 1)["load"])
                 for i, p in enumerate(prompts):
                     a = local.ask("ttft", prompt=p)
                     redis.ask("reset")
                     b = redis.ask("ttft", prompt=p)
-                    rows[i].append({"local": a, "redis": b})
-                st = redis.ask("stats")
-                if st.get("load_ms_total"):
-                    engine_load.append(st["bytes_loaded"] / (st["load_ms_total"] / 1e3) / 1e9)
+                    row = {"local": a, "redis": b}
+                    if staged is not None:
+                        staged.ask("reset")
+                        row["staged"] = staged.ask("ttft", prompt=p)
+                    rows[i].append(row)
+                for eng, out in ((redis, engine_load), (staged, staged_load)):
+                    if eng is not None:
+                        st = eng.ask("stats")
+                        if st.get("load_ms_total"):
+                            out.append(st["bytes_loaded"] / (st["load_ms_total"] / 1e3) / 1e9)
         finally:
-            local.close()
-            redis.close()
+            for eng in (local, redis, staged):
+                if eng is not None:
+                    eng.close()
     print(f"model: {MODEL}, fp32, objects of {OBJECT_BYTES >> 20} MiB; {args.reps} repetitions")
     print(
         f"{'prompt':>6} {'tokens hit':>10} {'cold s':>8} {'local s':>8} {'redis s':>8} {'ratio':>6}"
@@ -207,8 +246,14 @@ def main() -> None:
         hit = reps[-1]["redis"]["cached"]
         same = all(r["local"]["token"] == r["redis"]["token"] for r in reps)
         ratios.append(red / loc)
+        staged_s = (
+            f"  {args.compare} {statistics.median(r['staged']['s'] for r in reps):.3f} s"
+            if staged is not None
+            else ""
+        )
         print(
             f"{i:>6} {hit:>10} {cold[i]:8.3f} {loc:8.3f} {red:8.3f} {red / loc:5.2f}x"
+            + staged_s
             + ("" if same else "  (first tokens differ!)")
         )
     print(
@@ -221,6 +266,8 @@ def main() -> None:
             f"load GB/s: in the engine {e:.2f}, data-plane bench {d:.2f} (2 MiB objects): "
             f"{e / d:.2f}x (goal >= 0.8x)"
         )
+    if staged_load:
+        print(f"load GB/s in the {args.compare} engine: {statistics.median(staged_load):.2f}")
 
 
 if __name__ == "__main__":

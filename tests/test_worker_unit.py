@@ -444,3 +444,21 @@ def test_host_kv_loads_receive_straight_into_the_blocks_without_staging(
     assert not r.exists(k1)
     for name in dst_caches:
         assert torch.equal(page_bytes(dst_caches[name], 12, NB), page_bytes(caches2[name], 5, NB))
+
+
+def test_the_worker_shortens_pythons_thread_switch_interval(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)  # Python's default
+        make_worker(model_config, redis_url, gil_switch_interval_ms=0)
+        assert sys.getswitchinterval() == 0.005  # 0: left alone
+        make_worker(model_config, redis_url)
+        assert abs(sys.getswitchinterval() - 0.0002) < 1e-9
+        make_worker(model_config, redis_url, gil_switch_interval_ms=1)
+        assert abs(sys.getswitchinterval() - 0.0002) < 1e-9  # never lengthened
+    finally:
+        sys.setswitchinterval(before)

@@ -15,6 +15,7 @@ completed, and blocks that did not load are reported so vLLM recomputes them.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -98,6 +99,23 @@ def _copy_plan(plans: list[BlockTransferPlan], slots: list[int]) -> StagingCopyP
         block_ids=tuple(p.block_id for p in plans),
         slots=tuple(slots),
     )
+
+
+def shorten_switch_interval(ms: float) -> None:
+    """Set Python's thread switch interval to ``ms`` milliseconds if it is longer (0: no
+    change). A transfer thread gives up the GIL on every socket read; while vLLM's engine
+    loop runs Python without pause, taking it back waits up to the interval each time."""
+    if ms <= 0:
+        return
+    before = sys.getswitchinterval()
+    if before > ms / 1e3:
+        sys.setswitchinterval(ms / 1e3)
+        log.info(
+            "umbp-redis: Python's thread switch interval set to %.2f ms (was %.2f ms; "
+            "gil_switch_interval_ms) so transfers are not starved by the engine loop",
+            ms,
+            before * 1e3,
+        )
 
 
 class WorkerStats:
@@ -195,6 +213,7 @@ class UMBPWorker:
         # Loads into host KV caches receive straight into the blocks (tests turn it off
         # to compare with the staging path).
         self.direct_loads = True
+        shorten_switch_interval(float(options["gil_switch_interval_ms"]))
         self.staging: StagingPool | None = None
         log.info(
             "umbp-redis worker %s: key namespace %s (%s)",

@@ -188,6 +188,17 @@ OPTIONS: tuple[Option, ...] = (
         "Also store blocks completed by generated tokens, not only prompt blocks.",
     ),
     Option(
+        "gil_switch_interval_ms",
+        (int, float),
+        0.2,
+        "Python's thread switch interval (sys.setswitchinterval) the worker sets in its "
+        "process when it is longer: vLLM's engine loop runs Python without pause while a "
+        "request waits for its load, and with Python's default of 5 ms each resumption of "
+        "a transfer thread after a socket read can wait that long (in-engine loads measured "
+        "6-20x slower on CPU). 0 leaves Python's setting alone.",
+        minimum=0.0,
+    ),
+    Option(
         "store_mode",
         str,
         "eager",
