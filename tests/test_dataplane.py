@@ -638,3 +638,38 @@ def test_load_into_pieces_equals_load_into_one_buffer(
     # Pieces that do not add up to the stored size are an invalid value, not an overrun.
     short = [parts[0][: size // 2].data, parts[0][size // 2 : size - 1].data]
     assert plane.load([(keys[0], short)], FP) == [LoadStatus.INVALID]
+
+
+@pytest.mark.parametrize("scatter_read", [True, False])
+def test_reading_into_pieces_takes_buffered_then_received_bytes(scatter_read: bool) -> None:
+    """``read_exact_into_pieces`` over a socket pair: bytes already buffered go first,
+    the rest arrives in small sends; with ``recvmsg_into`` (scatter reads) and without
+    (as over TLS: one read per piece)."""
+    a, b = socket.socketpair()
+
+    class NoScatter:
+        def __init__(self, sock: socket.socket) -> None:
+            self.recv_into = sock.recv_into
+            self.settimeout = sock.settimeout
+
+    data = bytes(range(256)) * 40
+    reader = resp.ReplyReader(a if scatter_read else NoScatter(a))  # type: ignore[arg-type]
+    b.sendall(data[:100])
+    reader._fill()
+    assert reader.end - reader.start == 100
+
+    def rest() -> None:
+        for i in range(100, len(data), 777):
+            b.sendall(data[i : i + 777])
+            time.sleep(0.001)
+
+    t = threading.Thread(target=rest)
+    t.start()
+    out = bytearray(len(data))
+    view = memoryview(out)
+    cuts = [0, 1, 51, 5051, len(data)]
+    reader.read_exact_into_pieces([view[x:y] for x, y in zip(cuts, cuts[1:], strict=False)])
+    t.join()
+    assert bytes(out) == data
+    a.close()
+    b.close()

@@ -72,12 +72,17 @@ def _views_nbytes(views: Sequence[memoryview]) -> int:
 
 def _read_into_pieces(reader: Any, pieces: Sequence[memoryview], n: int) -> None:
     """Fill the first ``n`` bytes of ``pieces`` (in order) from the stream."""
+    if len(pieces) == 1:
+        reader.read_exact_into(pieces[0][:n])
+        return
+    heads = []
     for p in pieces:
         if n <= 0:
-            return
+            break
         take = min(n, p.nbytes)
-        reader.read_exact_into(p[:take])
+        heads.append(p[:take])
         n -= take
+    reader.read_exact_into_pieces(heads)
 
 
 def _write_at(pieces: Sequence[memoryview], offset: int, data: bytes) -> None:

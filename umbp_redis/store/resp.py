@@ -9,6 +9,7 @@ into a destination buffer with ``recv_into``.
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,8 @@ from umbp_redis.store.errors import (
 Buffer = Any  # any object with the buffer protocol (bytes, memoryview, numpy array)
 CRLF = b"\r\n"
 _READ_CHUNK = 256 * 1024
+# Pieces one scatter read fills at most (below every platform's IOV_MAX).
+_MAX_IOV = 64
 # A reply field this client buffers whole (lines, small bulks) is never larger than this;
 # larger lengths are a malformed or hostile reply, not something to allocate for.
 MAX_BUFFERED_REPLY = 64 << 20
@@ -141,6 +144,50 @@ class ReplyReader:
         got = take
         while got < n:
             got += self._recv_into(dest[got:])
+
+    def read_exact_into_pieces(self, pieces: Sequence[memoryview]) -> None:
+        """Fill ``pieces`` in order from the stream: buffered bytes first, then one
+        ``recvmsg_into`` per receive over every piece still open (a scatter read: as
+        few system calls, and hand-overs of the GIL, as one buffer would take). Falls
+        back to a read per piece where the socket has no ``recvmsg_into`` (TLS)."""
+        open_pieces = [p for p in pieces if p.nbytes]
+        while open_pieces and self.end > self.start:
+            p = open_pieces[0]
+            take = min(self.end - self.start, p.nbytes)
+            p[:take] = self.view[self.start : self.start + take]
+            self.start += take
+            open_pieces[0] = p[take:]
+            if take == p.nbytes:
+                open_pieces.pop(0)
+        if not open_pieces:
+            return
+        if isinstance(self.sock, ssl.SSLSocket) or not hasattr(self.sock, "recvmsg_into"):
+            for p in open_pieces:
+                self.read_exact_into(p)
+            return
+        while open_pieces:
+            n = self._recvmsg_into(open_pieces[:_MAX_IOV])
+            while n:
+                p = open_pieces[0]
+                if n >= p.nbytes:
+                    n -= p.nbytes
+                    open_pieces.pop(0)
+                else:
+                    open_pieces[0] = p[n:]
+                    n = 0
+
+    def _recvmsg_into(self, pieces: list[memoryview]) -> int:
+        try:
+            if self.deadline is not None:
+                self.sock.settimeout(remaining(self.deadline))
+            n = self.sock.recvmsg_into(pieces)[0]
+        except TimeoutError:
+            raise RedisTimeoutError("timed out waiting for Redis") from None
+        except OSError as e:
+            raise RedisUnavailableError(f"connection to Redis failed: {e}") from None
+        if n == 0:
+            raise RedisUnavailableError("Redis closed the connection")
+        return n
 
     def read_exact(self, n: int) -> bytes:
         """``n`` bytes from the stream."""
