@@ -163,11 +163,12 @@ def main() -> None:
     ap.add_argument("--work", default=".umbp-bench-cache")
     ap.add_argument(
         "--compare",
-        choices=("none", "staging", "python-gil"),
+        choices=("none", "staging", "python-gil", "no-idle-wait"),
         default="none",
         help="also run a third engine: one that loads through staging and scatter (the "
         "path before loads received straight into host KV caches), or one that leaves "
-        "Python's 5 ms thread switch interval (gil_switch_interval_ms: 0)",
+        "Python's 5 ms thread switch interval (gil_switch_interval_ms: 0), or one whose "
+        "scheduler never waits in idle steps (idle_wait_ms: 0)",
     )
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -196,6 +197,8 @@ def main() -> None:
             staged = Engine(
                 model, server.url, work / "other.log", extra={"gil_switch_interval_ms": 0}
             )
+        elif args.compare == "no-idle-wait":
+            staged = Engine(model, server.url, work / "other.log", extra={"idle_wait_ms": 0})
         local.ready()
         redis.ready()
         if staged is not None:

@@ -888,3 +888,39 @@ def test_hybrid_stores_window_blocks_redis_lacks_from_the_local_cache(
     )
     assert [b for g, b in stored if g == 1] == full_ids[3:6]
     assert [b for g, b in stored if g == 0] == [101, 102, 104, 105]
+
+
+def test_idle_steps_wait_briefly_only_while_loads_are_in_flight(
+    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from umbp_redis.engine import scheduler as sched_mod
+
+    slept: list[float] = []
+    monkeypatch.setattr(sched_mod.time, "sleep", slept.append)
+    for wait_ms in (1.0, 0):
+        slept.clear()
+        plane = ScriptedDataPlane()
+        s = make_scheduler(model_config, plane, idle_wait_ms=wait_ms)
+        pool = FakeBlockPool(32)
+        s.bind_block_pool(pool)
+        req = request(3 * BS + 40)
+        assert s.codec is not None
+        plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
+        assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+        ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+        s.update_state_after_alloc(req, ids, 3 * BS)  # type: ignore[arg-type]
+
+        def idle(tokens: int) -> Any:
+            out = _step(sched={})
+            out.total_num_scheduled_tokens = tokens
+            return out
+
+        s.build_connector_meta(idle(0))  # the step that sends the load: no wait
+        s.build_connector_meta(idle(0))  # waiting for it, nothing else to do: wait
+        s.build_connector_meta(idle(5))  # other requests computing: no wait
+        s.update_connector_output(
+            SimpleNamespace(finished_recving={"r1"}, kv_connector_worker_meta=None)  # type: ignore[arg-type]
+        )
+        s.build_connector_meta(idle(0))  # the load is done: no wait
+        assert slept == ([0.001] if wait_ms else [])
+        assert s.idle_waits == len(slept)

@@ -179,6 +179,8 @@ class UMBPScheduler:
         self.can_load = role in ("kv_consumer", "kv_both") and options["enable_lookup"]
         self.can_store = role in ("kv_producer", "kv_both")
         self.load_async = bool(options["load_async"])
+        self.idle_wait_s = float(options["idle_wait_ms"]) / 1e3
+        self.idle_waits = 0  # idle steps that waited for loads in flight
         self.lookup_async = bool(options["lookup_async"])
         self._lookup_pool = (
             ThreadPoolExecutor(1, thread_name_prefix="umbp-lookup") if self.lookup_async else None
@@ -542,6 +544,16 @@ class UMBPScheduler:
         """
         meta = UMBPConnectorMetadata(load_async=self.load_async)
         meta.loads, self.pending_loads = self.pending_loads, []
+        if (
+            self.idle_wait_s > 0
+            and self.load_pins
+            and not meta.loads
+            and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        ):
+            # Nothing to compute but loads in flight: a spinning engine loop would take
+            # the CPU and the GIL from them. Bounded by idle_wait_ms per step.
+            self.idle_waits += 1
+            time.sleep(self.idle_wait_s)
         self._planned_this_step.clear()
         try:
             self._release_stale_pins()

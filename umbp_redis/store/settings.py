@@ -199,6 +199,16 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0.0,
     ),
     Option(
+        "idle_wait_ms",
+        (int, float),
+        1.0,
+        "When a step schedules no tokens while loads are in flight, the scheduler waits "
+        "this long before handing the step back, so vLLM's engine loop does not spin and "
+        "take the CPU and Python's GIL from the transfers it waits for (at most this "
+        "long per idle step; 0: no wait).",
+        minimum=0.0,
+    ),
+    Option(
         "store_mode",
         str,
         "eager",
