@@ -835,59 +835,54 @@ def test_hybrid_hit_needs_every_full_block_and_the_window_before_it(
     assert set(batch.block_hashes) == {req.block_hashes[5], req.block_hashes[6]}
 
 
+def _stored_blocks(meta: Any) -> list[tuple[int, int]]:
+    """(group, engine block id) of every block a step's metadata stores, sorted."""
+    return sorted(
+        (g, b)
+        for batch in meta.stores
+        for g, b in zip(batch.group_ids, batch.block_ids, strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt_blocks", "local_blocks", "window_ids", "stored_window"),
+    [
+        # Redis holds a 3-block prefix another prompt stored (full attention only: this
+        # prompt leaves it at block 3) and nothing of the sliding window. Full
+        # attention: every complete block (present in full attention only is not a
+        # hit: all are computed and stored). Sliding window: the 2 blocks before the
+        # prompt's end (block 8) and before where it left Redis's prefix (block 3).
+        (8, 0, list(range(100, 109)), [101, 102, 106, 107]),
+        # As above, but vLLM's local cache holds those 3 blocks: the window before
+        # block 3 is sent from the engine's local blocks (block 0 is outside the window
+        # there: vLLM's null block).
+        (6, 3, [0, 101, 102, 103, 104, 105, 106], [101, 102, 104, 105]),
+    ],
+)
 def test_hybrid_stores_full_blocks_and_the_window_before_hit_points(
     model_config: ModelConfig,
+    prompt_blocks: int,
+    local_blocks: int,
+    window_ids: list[int],
+    stored_window: list[int],
 ) -> None:
     plane = ScriptedDataPlane()
     s = _hybrid_scheduler(model_config, plane)
     assert s.codec is not None
-    # Redis holds a 3-block prefix another prompt stored (full attention only: this
-    # prompt leaves it at block 3) and nothing of the sliding window.
-    req = request(8 * BS + 10)
+    n_tokens = prompt_blocks * BS + 10
+    req = request(n_tokens)
     plane.present = {s.codec.key(h, 1) for h in req.block_hashes[:3]}
-    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    window_ids = list(range(100, 109))
-    full_ids = list(range(200, 209))
+    assert s.get_num_new_matched_tokens(req, local_blocks * BS) == (0, False)
+    full_ids = list(range(200, 200 + prompt_blocks + 1))
     meta = s.build_connector_meta(
-        _step(new=[("r1", (window_ids, full_ids), 0)], sched={"r1": 8 * BS + 10})
+        _step(
+            new=[("r1", (window_ids, full_ids), local_blocks * BS)],
+            sched={"r1": n_tokens - local_blocks * BS},
+        )
     )
-    stored = sorted(
-        (g, b)
-        for batch in meta.stores
-        for g, b in zip(batch.group_ids, batch.block_ids, strict=True)
-    )
-    # Full attention: every complete block (the 3 Redis holds were seen present only in
-    # full attention, which is not a hit: all are computed and stored). Sliding window:
-    # the 2 blocks before the prompt's end (block 8) and before where it left Redis's
-    # prefix (block 3).
-    assert [b for g, b in stored if g == 1] == full_ids[:8]
-    assert [b for g, b in stored if g == 0] == [101, 102, 106, 107]
-
-
-def test_hybrid_stores_window_blocks_redis_lacks_from_the_local_cache(
-    model_config: ModelConfig,
-) -> None:
-    plane = ScriptedDataPlane()
-    s = _hybrid_scheduler(model_config, plane)
-    assert s.codec is not None
-    # vLLM's local cache holds the first 3 blocks (another prompt shared them); Redis
-    # has them in full attention only. The window before block 3, where this prompt
-    # leaves the shared prefix, is sent from the engine's local blocks.
-    req = request(6 * BS + 10)
-    plane.present = {s.codec.key(h, 1) for h in req.block_hashes[:3]}
-    assert s.get_num_new_matched_tokens(req, 3 * BS) == (0, False)
-    window_ids = [0, 101, 102, 103, 104, 105, 106]  # block 0: outside the window (null)
-    full_ids = list(range(200, 207))
-    meta = s.build_connector_meta(
-        _step(new=[("r1", (window_ids, full_ids), 3 * BS)], sched={"r1": 3 * BS + 10})
-    )
-    stored = sorted(
-        (g, b)
-        for batch in meta.stores
-        for g, b in zip(batch.group_ids, batch.block_ids, strict=True)
-    )
-    assert [b for g, b in stored if g == 1] == full_ids[3:6]
-    assert [b for g, b in stored if g == 0] == [101, 102, 104, 105]
+    stored = _stored_blocks(meta)
+    assert [b for g, b in stored if g == 1] == full_ids[local_blocks:prompt_blocks]
+    assert [b for g, b in stored if g == 0] == stored_window
 
 
 def test_idle_steps_wait_briefly_only_while_loads_are_in_flight(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from umbp_redis.store.errors import (
@@ -91,10 +91,14 @@ class ReplyReader:
     # -- low level -------------------------------------------------------------------
 
     def _recv_into(self, mv: memoryview) -> int:
+        return self._receive(lambda: self.sock.recv_into(mv))
+
+    def _receive(self, call: Callable[[], int]) -> int:
+        """Run one receive ``call`` within the deadline; the bytes it got (never 0)."""
         try:
             if self.deadline is not None:
                 self.sock.settimeout(remaining(self.deadline))
-            n = self.sock.recv_into(mv)
+            n = call()
         except TimeoutError:
             raise RedisTimeoutError("timed out waiting for Redis") from None
         except OSError as e:
@@ -177,17 +181,7 @@ class ReplyReader:
                     n = 0
 
     def _recvmsg_into(self, pieces: list[memoryview]) -> int:
-        try:
-            if self.deadline is not None:
-                self.sock.settimeout(remaining(self.deadline))
-            n = self.sock.recvmsg_into(pieces)[0]
-        except TimeoutError:
-            raise RedisTimeoutError("timed out waiting for Redis") from None
-        except OSError as e:
-            raise RedisUnavailableError(f"connection to Redis failed: {e}") from None
-        if n == 0:
-            raise RedisUnavailableError("Redis closed the connection")
-        return n
+        return self._receive(lambda: int(self.sock.recvmsg_into(pieces)[0]))
 
     def read_exact(self, n: int) -> bytes:
         """``n`` bytes from the stream."""
