@@ -67,7 +67,13 @@ def target_views(target: Buffer | list[Buffer]) -> list[memoryview]:
 
 
 def _views_nbytes(views: Sequence[memoryview]) -> int:
-    return sum(v.nbytes for v in views)
+    return views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
+
+
+def _target_nbytes(target: Buffer | list[Buffer]) -> int:
+    if isinstance(target, list):
+        return sum(memoryview(p).nbytes for p in target)
+    return memoryview(target).nbytes
 
 
 def _read_into_pieces(reader: Any, pieces: Sequence[memoryview], n: int) -> None:
@@ -178,7 +184,7 @@ def record_loads(
 ) -> None:
     """Add the outcome of one ``load`` call to ``stats``."""
     ok = [
-        _views_nbytes(target_views(d))
+        _target_nbytes(d)
         for (_, d), s in zip(items, results, strict=True)
         if s is LoadStatus.LOADED
     ]
