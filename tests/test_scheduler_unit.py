@@ -765,7 +765,9 @@ def test_eager_mode_is_the_default_and_store_mode_is_checked(model_config: Model
         validate_options({"store_mode": "later"})
 
 
-def _hybrid_scheduler(model_config: ModelConfig, plane: ScriptedDataPlane) -> UMBPScheduler:
+def _hybrid_scheduler(
+    model_config: ModelConfig, plane: ScriptedDataPlane, **extra: Any
+) -> UMBPScheduler:
     """Group 0: sliding window of 2 * BS + 1 tokens (a hit needs the 2 blocks before
     it); group 1: full attention. A real vLLM KVCacheConfig of two groups."""
     import torch
@@ -790,7 +792,7 @@ def _hybrid_scheduler(model_config: ModelConfig, plane: ScriptedDataPlane) -> UM
             KVCacheGroupSpec(["l1"], FullAttentionSpec(**kw)),
         ],
     )
-    cfg = make_vllm_config(model_config, extra={"key_namespace": "unit"})
+    cfg = make_vllm_config(model_config, extra={"key_namespace": "unit", **extra})
     opts = validate_options(ktc(cfg).kv_connector_extra_config)
     return UMBPScheduler(cfg, kv, opts, plane=plane)  # type: ignore[arg-type]
 
@@ -919,3 +921,36 @@ def test_idle_steps_wait_briefly_only_while_loads_are_in_flight(
         s.build_connector_meta(idle(0))  # the load is done: no wait
         assert slept == ([0.001] if wait_ms else [])
         assert s.idle_waits == len(slept)
+
+
+def test_lazy_mode_on_a_hybrid_model_stores_each_groups_blocks_on_eviction(
+    model_config: ModelConfig,
+) -> None:
+    """Lazy stores follow each group's plan: every full-attention block, the sliding
+    window's blocks before the prompt's end only, taken from vLLM's free queue (one
+    BlockPool shared by both groups) when they come within reach of eviction."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    s = _hybrid_scheduler(model_config, ScriptedDataPlane(), store_mode="lazy")
+    s.lazy_window = 4
+    pool = BlockPool(32, enable_caching=True, hash_block_size=BS)
+    s.bind_block_pool(pool)
+    req = request(6 * BS + 10)
+    s.get_num_new_matched_tokens(req, 0)
+    window_blocks = pool.get_new_blocks(7)
+    full_blocks = pool.get_new_blocks(7)
+    ids = ([b.block_id for b in window_blocks], [b.block_id for b in full_blocks])
+    meta = s.build_connector_meta(_step(new=[("r1", ids, 0)], sched={"r1": 6 * BS + 10}))
+    assert meta.stores == []
+    pool.cache_full_blocks(req, window_blocks, 0, 6, BS, 0)  # type: ignore[arg-type]
+    pool.cache_full_blocks(req, full_blocks, 0, 6, BS, 1)  # type: ignore[arg-type]
+    s.request_finished(req)  # type: ignore[arg-type]
+    pool.free_blocks(reversed(full_blocks))
+    pool.free_blocks(reversed(window_blocks))
+    assert s.build_connector_meta(_step()).stores == []  # never-used blocks ahead
+    pool.get_new_blocks(pool.get_num_free_blocks() - 14)  # the request's blocks come next
+    (batch,) = s.build_connector_meta(_step()).stores
+    stored = sorted(zip(batch.group_ids, batch.block_ids, strict=True))
+    assert [b for g, b in stored if g == 1] == sorted(b.block_id for b in full_blocks[:6])
+    # The window reaches 2 blocks back from the prompt's end (block 6): blocks 4 and 5.
+    assert [b for g, b in stored if g == 0] == sorted(b.block_id for b in window_blocks[4:6])
