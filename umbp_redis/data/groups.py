@@ -161,7 +161,14 @@ class CacheGroupPlans:
         group are present (``present(block, position of the group)``); ``start`` when
         none. Blocks below ``start`` are in the engine already.
         """
-        for hit in range(self.full_prefix_end(start, end, present), start, -1):
+        return self.longest_hit_below(start, self.full_prefix_end(start, end, present), present)
+
+    def longest_hit_below(
+        self, start: int, full_end: int, present: Callable[[int, int], bool]
+    ) -> int:
+        """``longest_hit`` for a caller that has ``full_end = full_prefix_end(...)``
+        already: the full-attention blocks below it are not asked for again."""
+        for hit in range(full_end, start, -1):
             if all(
                 present(i, pos)
                 for pos, g in enumerate(self.groups)

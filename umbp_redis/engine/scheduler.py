@@ -419,7 +419,7 @@ class UMBPScheduler:
                 if not present(b, pos)
             }
         st.divergence = plans.full_prefix_end(start, n_blocks, present)
-        hit = plans.longest_hit(start, n_blocks, present)
+        hit = plans.longest_hit_below(start, st.divergence, present)
         self.quarantine_skips += bool(skipped)
         st.hit_blocks = max(st.hit_blocks, hit)
         tokens = hit * bs - num_computed_tokens

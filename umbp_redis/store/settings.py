@@ -194,8 +194,8 @@ OPTIONS: tuple[Option, ...] = (
         "Python's thread switch interval (sys.setswitchinterval) the worker sets in its "
         "process when it is longer: vLLM's engine loop runs Python without pause while a "
         "request waits for its load, and with Python's default of 5 ms each resumption of "
-        "a transfer thread after a socket read can wait that long (in-engine loads measured "
-        "6-20x slower on CPU). 0 leaves Python's setting alone.",
+        "a transfer thread after a socket read can wait that long (measured side by side on "
+        "CPU: loads 0.03 against 1.04 GB/s). 0 leaves Python's setting alone.",
         minimum=0.0,
     ),
     Option(
