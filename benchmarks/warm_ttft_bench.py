@@ -163,12 +163,14 @@ def main() -> None:
     ap.add_argument("--work", default=".umbp-bench-cache")
     ap.add_argument(
         "--compare",
-        choices=("none", "staging", "python-gil", "no-idle-wait"),
+        choices=("none", "staging", "python-gil", "no-idle-wait", "async", "sync"),
         default="none",
         help="also run a third engine: one that loads through staging and scatter (the "
         "path before loads received straight into host KV caches), or one that leaves "
         "Python's 5 ms thread switch interval (gil_switch_interval_ms: 0), or one whose "
-        "scheduler never waits in idle steps (idle_wait_ms: 0)",
+        "scheduler never waits in idle steps (idle_wait_ms: 0), or one that loads every "
+        "hit async (load_async: true) or sync (false) where the default (auto) chooses "
+        "by size",
     )
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -199,6 +201,9 @@ def main() -> None:
             )
         elif args.compare == "no-idle-wait":
             staged = Engine(model, server.url, work / "other.log", extra={"idle_wait_ms": 0})
+        elif args.compare in ("async", "sync"):
+            mode = {"load_async": args.compare == "async"}
+            staged = Engine(model, server.url, work / "other.log", extra=mode)
         local.ready()
         redis.ready()
         if staged is not None:
@@ -218,6 +223,7 @@ def main() -> None:
             plane_load: list[float] = []
             engine_load: list[float] = []
             staged_load: list[float] = []
+            sync_counts: dict[int, list[int]] = {}  # engine -> [sync loads, loads]
             for _ in range(args.reps):
                 plane_load.append(umbp_gbps(plane, OBJECT_BYTES, 24, 1)["load"])
                 for i, p in enumerate(prompts):
@@ -232,6 +238,9 @@ def main() -> None:
                 for eng, out in ((redis, engine_load), (staged, staged_load)):
                     if eng is not None:
                         st = eng.ask("stats")
+                        counts = sync_counts.setdefault(id(eng), [0, 0])
+                        counts[0] += int(st.get("sync_loads", 0))
+                        counts[1] += int(st.get("loads", 0))
                         if st.get("load_ms_total"):
                             out.append(st["bytes_loaded"] / (st["load_ms_total"] / 1e3) / 1e9)
         finally:
@@ -271,6 +280,10 @@ def main() -> None:
         )
     if staged_load:
         print(f"load GB/s in the {args.compare} engine: {statistics.median(staged_load):.2f}")
+    for name, eng in (("redis", redis), (args.compare, staged)):
+        if eng is not None and id(eng) in sync_counts:
+            n_sync, n_all = sync_counts[id(eng)]
+            print(f"sync loads in the {name} engine: {n_sync} of {n_all}")
 
 
 if __name__ == "__main__":

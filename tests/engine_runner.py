@@ -8,7 +8,7 @@ Phases: ``generate`` (greedy), ``reset`` (drop vLLM's local prefix cache), ``cor
 (inspect every value), ``delete`` (remove every stored key), ``limit_memory`` (make
 the server a small LRU cache), ``evicted``, ``shutdown_redis`` and ``start_redis`` (a
 private server on a given port), ``kill_pid`` (SIGKILL a Redis node), ``sleep`` and
-``node_keys`` (stored keys per node).
+``node_keys`` (stored keys per node), ``load_totals`` (the worker's load counters).
 """
 
 from __future__ import annotations
@@ -44,6 +44,27 @@ def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
         # Lazy store mode: blocks of finished requests pinned for the next step's store.
         "lazy_pending": len(sched._lazy_early),
     }
+
+
+def _count_loads() -> dict[str, float]:
+    """Totals of the in-process worker's load counters from now on (vLLM takes and
+    resets the worker's own counters for its periodic log)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    try:
+        worker: Any = cast(Any, get_kv_transfer_group())._worker
+    except Exception:  # the engine core runs in another process
+        return {}
+    totals: dict[str, float] = {}
+    add = worker.stats.add
+
+    def counted(**values: float) -> None:
+        for k in ("loads", "sync_loads", "blocks_loaded", "load_failures"):
+            totals[k] = totals.get(k, 0) + values.get(k, 0)
+        add(**values)
+
+    worker.stats.add = counted
+    return totals
 
 
 def main(spec_path: str) -> None:
@@ -84,6 +105,7 @@ def main(spec_path: str) -> None:
         **kw,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
+    load_totals = _count_loads() if spec.get("connector") and spec.get("tp", 1) == 1 else {}
     results: dict[str, object] = {}
     servers = []
     for phase in spec["phases"]:
@@ -205,6 +227,8 @@ def main(spec_path: str) -> None:
             key = sorted(r.scan_iter(match="umbp:vllm:v1:*", count=1000))[0]
             r.set(key, b"not a KV object")
             results[phase["name"]] = key.decode()
+        elif op == "load_totals":  # the worker's load counters since the engine started
+            results[phase["name"]] = dict(load_totals)
         elif op == "plane_counters":  # the in-process engine's data-plane counters
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 

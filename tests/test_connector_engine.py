@@ -36,7 +36,14 @@ def connector(url: str, *, module_path: bool = True, **extra: Any) -> dict[str, 
         **({"kv_connector_module_path": "umbp_redis.connector"} if module_path else {}),
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"redis_url": url, "fail_fast_s": 0.5, **extra},
+        # Async loads unless a test says otherwise: these tests were written for them
+        # (the default, auto, loads the tiny model's small hits sync).
+        "kv_connector_extra_config": {
+            "redis_url": url,
+            "fail_fast_s": 0.5,
+            "load_async": True,
+            **extra,
+        },
     }
 
 
@@ -257,16 +264,21 @@ def test_cold_then_warm_on_a_cluster_with_a_master_killed_mid_run(
     assert "Traceback" not in log
 
 
-@pytest.mark.parametrize("quarantine_s", [300, 0])
+@pytest.mark.parametrize(
+    ("quarantine_s", "load_async"), [(300, True), (0, "auto")], ids=["quarantine", "no-quarantine"]
+)
 def test_a_block_that_fails_to_load_is_not_offered_again(
     work: Path,
     tiny_model: Path,
     baseline: dict,  # type: ignore[type-arg]
     quarantine_s: int,
+    load_async: bool | str,
 ) -> None:
     """A value whose load fails (WRONGTYPE: it stays) is quarantined; without the
     quarantine each new request fails on it again, but never loops on it: vLLM asks
-    again after a failed load at the prompt's start, and the request gets no hits."""
+    again after a failed load at the prompt's start, and the request gets no hits.
+    Loads are async in the first case; in the second the default (auto) loads the tiny
+    model's small hits before the step (sync), so a failed sync load is recomputed too."""
     with EmbeddedRedis() as srv:
         url = srv.url
         phases = [
@@ -278,12 +290,13 @@ def test_a_block_that_fails_to_load_is_not_offered_again(
             {"op": "reset"},
             {"op": "generate", "name": "second"},
             {"op": "plane_counters", "name": "after_second"},
+            {"op": "load_totals", "name": "loads"},
         ]
         res = run_engine(
             work,
             f"quarantine{quarantine_s}",
             tiny_model,
-            connector(url, load_failure_quarantine_s=quarantine_s),
+            connector(url, load_failure_quarantine_s=quarantine_s, load_async=load_async),
             phases,
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
         )
@@ -297,6 +310,9 @@ def test_a_block_that_fails_to_load_is_not_offered_again(
     else:
         assert res["after_second"]["load_errors"] > failed_first
     assert res["after_second"]["loaded_objects"] > res["after_first"]["loaded_objects"]
+    loads = res["loads"]
+    assert loads["loads"] >= 2 and loads["load_failures"] >= 1
+    assert loads["sync_loads"] == (0 if load_async is True else loads["loads"])
 
 
 def test_kv_cache_events_announce_what_redis_holds(
@@ -512,6 +528,10 @@ def test_hybrid_sliding_window_model_stores_per_group_and_loads_every_hit(
             [
                 {"op": "generate", "name": "prefix", "prompts": [shares_prefix]},
                 {"op": "generate", "name": "g", "prompts": prompts},
+                {"op": "corrupt", "url": srv.url, "name": "corrupted"},
+                {"op": "reset"},
+                {"op": "generate", "name": "after_corrupt", "prompts": prompts},
+                {"op": "validate", "url": srv.url, "name": "after_corrupt_values"},
             ],
         )
         log = (work / "hyb_cold.log").read_text()
@@ -527,6 +547,17 @@ def test_hybrid_sliding_window_model_stores_per_group_and_loads_every_hit(
     for o in warm["g"]["outputs"]:
         assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
     assert warm["prefix"]["outputs"][0]["cached"] == 2 * BLOCK
+    # Every value damaged: vLLM cannot take block-level load failures of a model with
+    # several cache groups (it stops the engine), so the loads fail per request; the
+    # engine recomputes the prompts and the damaged values it read are replaced by good
+    # ones (every full-attention block; window blocks no prompt needed stay damaged
+    # until a load reads them).
+    assert tokens(warm["after_corrupt"]) == want[: len(prompts)]
+    after = warm["after_corrupt_values"]
+    assert after["keys"] == warm["corrupted"]
+    assert after["valid"] >= by_group[1]
+    warm_log = (work / "hyb_warm.log").read_text()
+    assert "invalid objects removed" in warm_log and "EngineDeadError" not in warm_log
     # Group 0 is the sliding window, group 1 full attention.
     n_long = cold["g"]["outputs"][-1]["prompt_tokens"]
     long_blocks = n_long // BLOCK

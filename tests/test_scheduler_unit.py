@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kv_fixtures import attn_spec, vllm_layout_caches
+from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
 from test_data_identity import ktc, make_vllm_config
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -21,6 +21,7 @@ from umbp_redis.data import (
 )
 from umbp_redis.engine.scheduler import UMBPScheduler
 from umbp_redis.store.cluster import ClusterLookupEncoder
+from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.plane import LookupEncoder
 from umbp_redis.store.settings import validate_options
 from umbp_redis.store.slots import key_slot
@@ -110,7 +111,9 @@ def make_scheduler(
     role: str = "kv_both",
     **extra: Any,
 ) -> UMBPScheduler:
-    cfg = make_vllm_config(model_config, tp=tp, extra={"key_namespace": "unit", **extra})
+    # Async loads unless a test asks otherwise: most tests here are about lookups.
+    extra = {"key_namespace": "unit", "load_async": True, **extra}
+    cfg = make_vllm_config(model_config, tp=tp, extra=extra)
     ktc(cfg).kv_role = role  # type: ignore[assignment]
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
     opts = validate_options(ktc(cfg).kv_connector_extra_config)
@@ -954,3 +957,51 @@ def test_lazy_mode_on_a_hybrid_model_stores_each_groups_blocks_on_eviction(
     assert [b for g, b in stored if g == 1] == sorted(b.block_id for b in full_blocks[:6])
     # The window reaches 2 blocks back from the prompt's end (block 6): blocks 4 and 5.
     assert [b for g, b in stored if g == 0] == sorted(b.block_id for b in window_blocks[4:6])
+
+
+def test_auto_load_mode_loads_small_hits_before_the_step_and_large_ones_async(
+    model_config: ModelConfig,
+) -> None:
+    # One block of the test layout: K and V of BS tokens, 2 heads of 64, bf16, per layer.
+    block_bytes = 2 * BS * 2 * 64 * 2 * len(LAYERS)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, load_async="auto", sync_load_max_bytes=2 * block_bytes)
+    assert s.bytes_per_block == block_bytes
+    req = request(6 * BS + 10)
+    assert s.codec is not None
+    keys = [s.codec.key(h, 0) for h in req.block_hashes]
+    plane.present = set(keys[:2])
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, False)  # 2 blocks: sync
+    plane.present = set(keys[:3])
+    assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)  # 3 blocks: async
+    # Beyond a local hit only the blocks to load count.
+    assert s.get_num_new_matched_tokens(req, BS) == (2 * BS, False)
+    # The load carries the mode vLLM was told; a sync one pins no blocks.
+    pool = FakeBlockPool(32)
+    s.bind_block_pool(pool)
+    ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6],))
+    s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
+    (batch,) = s.build_connector_meta(_step(sched={})).loads
+    assert batch.load_async is False and batch.block_ids == (2, 3)
+    assert not s.load_pins
+    # Set explicitly, load_async holds for every size.
+    for mode in (True, False):
+        fixed_plane = ScriptedDataPlane()
+        fixed = make_scheduler(model_config, fixed_plane, load_async=mode)
+        assert fixed.codec is not None
+        fixed_plane.present = {fixed.codec.key(h, 0) for h in req.block_hashes}
+        assert fixed.get_num_new_matched_tokens(req, 0) == (6 * BS, mode)
+    with pytest.raises(ConfigError, match="load_async"):
+        make_scheduler(model_config, ScriptedDataPlane(), load_async="sometimes")
+
+
+def test_a_hybrid_model_always_loads_async(model_config: ModelConfig) -> None:
+    """vLLM takes failed sync loads only as block ids, which it cannot map to requests
+    with several cache groups: every load of such a model is async."""
+    for mode in ("auto", False):
+        plane = ScriptedDataPlane()
+        s = _hybrid_scheduler(model_config, plane, load_async=mode, sync_load_max_bytes=1 << 40)
+        assert s.codec is not None
+        req = request(3 * BS + 10)
+        plane.present = {s.codec.key(h, g) for h in req.block_hashes for g in (0, 1)}
+        assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)

@@ -139,7 +139,7 @@ def test_sync_load_reports_errors_without_finished_ids(
     model_config: ModelConfig, redis_url: str
 ) -> None:
     w, _ = make_worker(model_config, redis_url)
-    step(w, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", (H3,), (2,), (0,))], load_async=False))
+    step(w, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", (H3,), (2,), (0,), load_async=False)]))
     assert w.get_block_ids_with_load_errors() == {2}
     assert w.get_finished() == (None, None)
 

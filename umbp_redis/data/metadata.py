@@ -44,7 +44,6 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockLoadBatch] = field(default_factory=list)
     stores: list[BlockStoreBatch] = field(default_factory=list)
     cancelled_requests: list[str] = field(default_factory=list)
-    load_async: bool = True
 
     @property
     def is_empty(self) -> bool:

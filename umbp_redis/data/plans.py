@@ -119,9 +119,12 @@ class BlockLoadBatch(_BlockBatch):
 
     ``fail_all``: the scheduler could not plan this load after promising its tokens to
     vLLM; the workers report every block as not loaded, so vLLM recomputes them.
+    ``load_async``: the request waits for the load (vLLM's ``WAITING_FOR_REMOTE_KVS``);
+    when false the workers load before the step's forward pass.
     """
 
     fail_all: bool = False
+    load_async: bool = True
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ class _RequestState:
     local_tokens: int = 0
     hit_blocks: int = 0  # blocks [0, hit_blocks) are known to be in Redis
     load_failed: bool = False  # a load of it failed on a value that would fail again
+    load_async: bool = True  # how the hit of the last lookup answer loads
     # Encoded lookup commands of blocks [0, len(lookup_cmds)), built once per block.
     lookup_cmds: list[Any] = field(default_factory=list)
     # The codec and the plane's lookup mode the commands were built with.
@@ -178,7 +179,8 @@ class UMBPScheduler:
             )
         self.can_load = role in ("kv_consumer", "kv_both") and options["enable_lookup"]
         self.can_store = role in ("kv_producer", "kv_both")
-        self.load_async = bool(options["load_async"])
+        self.load_mode = options["load_async"]  # "auto", True or False
+        self.sync_load_max_bytes = int(options["sync_load_max_bytes"])
         self.idle_wait_s = float(options["idle_wait_ms"]) / 1e3
         self.idle_waits = 0  # idle steps that waited for loads in flight
         self.lookup_async = bool(options["lookup_async"])
@@ -204,6 +206,21 @@ class UMBPScheduler:
             self.group_plans = CacheGroupPlans(())
             self.can_load = self.can_store = False
         self.hash_block_size = int(kv_cache_config.hash_block_size or self.block_size)
+        # Bytes one block's load moves on each worker (every layer of every group).
+        self.bytes_per_block = sum(
+            int(kv_cache_config.kv_cache_groups[g].kv_cache_spec.page_size_bytes)
+            * len(kv_cache_config.kv_cache_groups[g].layer_names)
+            for g in self.groups
+        )
+        # vLLM takes failed sync loads only as block ids, which it cannot map back to
+        # requests when there are several cache groups: those load async only.
+        self.sync_loads_possible = len(kv_cache_config.kv_cache_groups) == 1
+        if self.load_mode is False and not self.sync_loads_possible:
+            log.warning(
+                "umbp-redis: load_async=false is ignored: this model has %d KV cache groups "
+                "and vLLM can recompute a failed load of such a model only if it was async",
+                len(kv_cache_config.kv_cache_groups),
+            )
         self.replicated = tp_replicated_group_ids(kv_cache_config, self.topology)
         configured = UMBPNamespace.configured(vllm_config)
         self.codec: BlockIdentityCodec | None = (
@@ -425,7 +442,19 @@ class UMBPScheduler:
         tokens = hit * bs - num_computed_tokens
         if tokens <= 0:
             return 0, False
-        return tokens, self.load_async
+        st.load_async = self.loads_async(tokens // bs)
+        return tokens, st.load_async
+
+    def loads_async(self, blocks: int) -> bool:
+        """Whether a load of ``blocks`` blocks runs while its request waits (async) or
+        before the step's forward pass (sync): ``load_async`` when set, else sync only
+        for loads of at most ``sync_load_max_bytes`` per worker, whose wait costs less
+        than the engine step an async load keeps its request waiting."""
+        if not self.sync_loads_possible:
+            return True
+        if self.load_mode != "auto":
+            return bool(self.load_mode)
+        return blocks * self.bytes_per_block > self.sync_load_max_bytes
 
     def _quarantined(self, request: Request, index: int, now: float) -> bool:
         h = self._hash_of_block(request, index)
@@ -458,7 +487,8 @@ class UMBPScheduler:
         if num_external_tokens <= 0:
             return
         try:
-            local = self.requests[request.request_id].local_tokens
+            st = self.requests[request.request_id]
+            local = st.local_tokens
             bs = self.block_size
             block_ids = tuple(
                 b
@@ -477,6 +507,7 @@ class UMBPScheduler:
                 (0,) * len(block_ids),
                 event_id=next(self._event_ids),
                 fail_all=True,
+                load_async=st.load_async,
             )
         )
 
@@ -506,7 +537,7 @@ class UMBPScheduler:
         if num_external_tokens <= 0:
             return
         bs = self.block_size
-        spec = LoadSpec(st.local_tokens, st.local_tokens + num_external_tokens, self.load_async)
+        spec = LoadSpec(st.local_tokens, st.local_tokens + num_external_tokens, st.load_async)
         first = st.local_tokens // bs
         last = (st.local_tokens + num_external_tokens) // bs
         hashes, block_ids, group_ids = [], [], []
@@ -524,9 +555,10 @@ class UMBPScheduler:
                 tuple(block_ids),
                 tuple(group_ids),
                 event_id=next(self._event_ids),
+                load_async=spec.load_async,
             )
         )
-        if self.load_async and self.block_pool is not None and block_ids:
+        if spec.load_async and self.block_pool is not None and block_ids:
             # Destinations stay allocated until the load is done, even if the request
             # is aborted meanwhile and its blocks are freed.
             pins = [self.block_pool.blocks[b] for b in block_ids]
@@ -542,7 +574,7 @@ class UMBPScheduler:
         The loads vLLM was promised always go out; a failure while planning stores only
         drops this step's stores (logged and counted).
         """
-        meta = UMBPConnectorMetadata(load_async=self.load_async)
+        meta = UMBPConnectorMetadata()
         meta.loads, self.pending_loads = self.pending_loads, []
         if (
             self.idle_wait_s > 0

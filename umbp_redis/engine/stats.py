@@ -40,6 +40,8 @@ class UMBPConnectorStats(KVConnectorStats):
                 "unexpected_errors",
             )
         }
+        if d.get("sync_loads"):
+            out["sync_loads"] = d["sync_loads"]
         for k in CLUSTER_COUNTERS:
             if d.get(k):
                 out[k] = d[k]
@@ -75,6 +77,10 @@ _PROM_COUNTERS = (
     (
         "load_failures",
         "Blocks that failed to load (missing, invalid or error) and were recomputed.",
+    ),
+    (
+        "sync_loads",
+        "Loads run before the step's forward pass (load_async false, or auto and small).",
     ),
     ("store_failures", "Block stores Redis refused or that failed."),
     ("stores_dropped", "Block stores dropped because staging memory was full."),

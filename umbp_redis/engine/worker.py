@@ -132,6 +132,7 @@ class WorkerStats:
         "load_ms_total",
         "store_ms_total",
         "loads",
+        "sync_loads",
         "stores",
     ) + CARRIED_COUNTERS
 
@@ -193,6 +194,10 @@ class UMBPWorker:
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
+        # vLLM takes block-level load failures only from models with one cache group
+        # (block ids are per group); with several, a failed load fails its request.
+        self.fails_per_request = len(kv_cache_config.kv_cache_groups) > 1
+        self._failed_recving: set[str] = set()
         self._store_reports: dict[int, StoreEventResult] = {}
         # Block hashes whose load failed (invalid or error) since the last report; those
         # reported lately (bounded); those of them stored again since the last report.
@@ -299,18 +304,19 @@ class UMBPWorker:
         except Exception as e:  # without the ordering point, recompute instead of loading
             log.error("umbp-redis: cannot order loads after the engine's work: %r", e)
             for batch in meta.loads:
-                self._fail_load(batch, meta.load_async)
+                self._fail_load(batch, batch.load_async)
             return
-        for batch in meta.loads:
+        # Sync loads first: the forward pass waits for them, not for the async ones.
+        for batch in sorted(meta.loads, key=lambda b: b.load_async):
             if batch.fail_all:  # the scheduler could not plan it: vLLM recomputes
-                self._fail_load(batch, meta.load_async)
+                self._fail_load(batch, batch.load_async)
                 continue
             with self._lock:
                 self._cancelled.discard(batch.request_id)
                 self._loading[batch.request_id] = self._loading.get(batch.request_id, 0) + 1
-            if meta.load_async:
+            if batch.load_async:
                 self._track(self._loads.submit(self._run_load, batch, True, after))
-            else:
+            else:  # vLLM runs the forward pass once this returns
                 self._run_load(batch, False, after)
 
     def wait_for_save(self) -> None:
@@ -536,10 +542,13 @@ class UMBPWorker:
             if slots is not None and self.staging is not None:
                 self.staging.release(slots)
             self.stats.add(
-                loads=1, load_failures=len(failed), load_ms_total=(time.perf_counter() - t0) * 1e3
+                loads=1,
+                sync_loads=0 if report else 1,
+                load_failures=len(failed),
+                load_ms_total=(time.perf_counter() - t0) * 1e3,
             )
             with self._lock:
-                self._load_errors |= failed
+                self._note_load_failure(batch.request_id, failed)
                 if report:
                     self._finished_loads.add(batch.request_id)
                 left = self._loading.get(batch.request_id, 1) - 1
@@ -567,17 +576,35 @@ class UMBPWorker:
         """Report every block of ``batch`` as not loaded (vLLM recomputes them)."""
         self.stats.add(loads=1, load_failures=len(batch.block_ids))
         with self._lock:
-            self._load_errors |= set(batch.block_ids)
+            self._note_load_failure(batch.request_id, set(batch.block_ids))
             if report:
                 self._finished_loads.add(batch.request_id)
+
+    def _note_load_failure(self, request_id: str, block_ids: set[int]) -> None:
+        """Remember blocks that did not load, for the next report (lock held): as block
+        ids, or as a failed request where vLLM cannot take block ids (several groups)."""
+        if not block_ids:
+            return
+        if self.fails_per_request:
+            self._failed_recving.add(request_id)
+        else:
+            self._load_errors |= block_ids
 
     # -- reports ----------------------------------------------------------------------
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose async loads are terminal since the last call."""
+        done, _ = self.take_finished_loads()
+        return None, (done or None)
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose async loads are terminal since the last call, and those of
+        them whose load failed (only with several cache groups: with one, the failed
+        blocks are reported by ``get_block_ids_with_load_errors``), taken together."""
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
-        return None, (done or None)
+            failed, self._failed_recving = self._failed_recving & done, self._failed_recving - done
+        return done, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Destination blocks that did not load since the last call."""

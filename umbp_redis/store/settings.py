@@ -177,9 +177,21 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "load_async",
-        bool,
-        True,
-        "Load hits off the forward pass (the request waits); false loads before the step.",
+        (str, bool),
+        "auto",
+        "true: load hits off the forward pass (the request waits for its load); false: "
+        "load them before the step's forward pass; auto: false for loads of at most "
+        "sync_load_max_bytes, true for larger ones. Models with several KV cache groups "
+        "(hybrid) always load async.",
+        choices=("auto", True, False),
+    ),
+    Option(
+        "sync_load_max_bytes",
+        int,
+        8 * MiB,
+        "With load_async auto: the largest load (bytes per worker) that runs before the "
+        "step instead of making its request wait a step or more.",
+        minimum=0,
     ),
     Option(
         "save_decode_cache",
