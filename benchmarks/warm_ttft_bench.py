@@ -15,6 +15,7 @@ load time, from the worker's counters) against ``umbp_gbps`` of the data-plane
 benchmark on 2 MiB objects in the same run (goal >= 0.8x).
 
 Usage: .venv/bin/python benchmarks/warm_ttft_bench.py [--prompts 3] [--words 3000] [--reps 5]
+       [--compare {staging,python-gil,no-idle-wait,async,sync}] [--busy N]
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def serve(spec: dict[str, Any]) -> None:
                 "cached": out.num_cached_tokens,
                 "token": out.outputs[0].token_ids[0],
             }
+        elif cmd["op"] == "busy_ttft":
+            reply = _busy_ttft(llm, cmd, one)
         elif cmd["op"] == "reset":
             deadline = time.time() + 30
             while not llm.reset_prefix_cache() and time.time() < deadline:
@@ -103,6 +106,42 @@ def serve(spec: dict[str, Any]) -> None:
         else:
             break
         print(json.dumps(reply), flush=True)
+
+
+def _busy_ttft(llm: Any, cmd: dict[str, Any], one: Any) -> dict[str, Any]:
+    """TTFT of ``cmd["prompt"]`` sent while ``cmd["background"]`` prompts are decoding
+    (each step of the engine then takes the decode batch's time)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    tag = f"{time.monotonic_ns()}"
+    bg = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    bg_ids = [f"bg-{tag}-{i}" for i in range(len(cmd["background"]))]
+    for rid, p in zip(bg_ids, cmd["background"], strict=True):
+        engine.add_request(rid, p, bg)
+    for _ in range(8):  # prefills done, every background request decoding
+        engine.step()
+    steps_t0 = time.perf_counter()
+    for _ in range(4):
+        engine.step()
+    step_s = (time.perf_counter() - steps_t0) / 4
+    rid = f"t-{tag}"
+    t0 = time.perf_counter()
+    engine.add_request(rid, cmd["prompt"], one)
+    reply: dict[str, Any] = {}
+    while not reply:
+        for out in engine.step():
+            if out.request_id == rid and out.outputs and out.outputs[0].token_ids:
+                reply = {
+                    "s": time.perf_counter() - t0,
+                    "cached": out.num_cached_tokens,
+                    "token": out.outputs[0].token_ids[0],
+                    "step_s": step_s,
+                }
+    engine.abort_request(bg_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return reply
 
 
 class Engine:
@@ -172,6 +211,13 @@ def main() -> None:
         "hit async (load_async: true) or sync (false) where the default (auto) chooses "
         "by size",
     )
+    ap.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="measure each TTFT while this many other requests are decoding (steps then "
+        "take a decode batch's time)",
+    )
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -224,16 +270,23 @@ def main() -> None:
             engine_load: list[float] = []
             staged_load: list[float] = []
             sync_counts: dict[int, list[int]] = {}  # engine -> [sync loads, loads]
+            background = sample_prompts(args.busy, 64, seed=12) if args.busy else []
+
+            def measure(eng: Engine, prompt: str) -> dict[str, Any]:
+                if background:
+                    return eng.ask("busy_ttft", prompt=prompt, background=background)
+                return eng.ask("ttft", prompt=prompt)
+
             for _ in range(args.reps):
                 plane_load.append(umbp_gbps(plane, OBJECT_BYTES, 24, 1)["load"])
                 for i, p in enumerate(prompts):
-                    a = local.ask("ttft", prompt=p)
+                    a = measure(local, p)
                     redis.ask("reset")
-                    b = redis.ask("ttft", prompt=p)
+                    b = measure(redis, p)
                     row = {"local": a, "redis": b}
                     if staged is not None:
                         staged.ask("reset")
-                        row["staged"] = staged.ask("ttft", prompt=p)
+                        row["staged"] = measure(staged, p)
                     rows[i].append(row)
                 for eng, out in ((redis, engine_load), (staged, staged_load)):
                     if eng is not None:
@@ -267,6 +320,12 @@ def main() -> None:
             f"{i:>6} {hit:>10} {cold[i]:8.3f} {loc:8.3f} {red:8.3f} {red / loc:5.2f}x"
             + staged_s
             + ("" if same else "  (first tokens differ!)")
+        )
+    if background:
+        steps = [r[k]["step_s"] for reps in rows for r in reps for k in ("local", "redis")]
+        print(
+            f"{args.busy} other requests decoding: one engine step took "
+            f"{statistics.median(steps) * 1e3:.1f} ms (median)"
         )
     print(
         f"warm TTFT, redis / local prefix cache (median over prompts): "
