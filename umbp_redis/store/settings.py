@@ -95,7 +95,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "max_inflight_bytes",
         int,
-        4 * MiB,
+        1 * MiB,
         "Bytes of values requested but not yet read, per connection (bounds Redis' "
         "client output buffers).",
         minimum=1,

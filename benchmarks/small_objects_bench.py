@@ -1,0 +1,132 @@
+"""Store and load of small objects against redis-benchmark with the same key pattern.
+
+``umbp-redis bench dataplane`` compares with ``redis-benchmark -t set,get`` on ONE key:
+every SET replaces the same value (the server reuses its memory) and every GET sends the
+same 64 KiB, warm in the CPU caches. This client writes and reads many keys. This
+script measures, in one run against one private server, interleaved (best of
+``--repeats``):
+
+* redis-benchmark SET/GET on one key (the dataplane bench's baseline), on a keyspace of
+  as many keys as this client moves (``-r COUNT``: values the server must find in
+  memory), and SET on fresh keys (``-r 2**40``, COUNT requests: the server allocates new memory);
+* this client's store on fresh keys (deleted before each run), its store over existing
+  keys, and its load, with each ``max_inflight_bytes`` given.
+
+Prints GB/s and each figure over its like-for-like redis-benchmark baseline.
+
+Usage: .venv/bin/python benchmarks/small_objects_bench.py [--size 65536] [--repeats 4]
+       [--inflight 4194304,1048576]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+
+
+def redis_benchmark(
+    port: int, size: int, keyspace: int | None, tests: str, requests: int = 20000
+) -> dict[str, float]:
+    """GB/s of redis-benchmark (4 clients, pipeline 4) for ``tests`` (e.g. "set,get")."""
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return {}
+    args = [exe, "-p", str(port), "-c", "4", "-P", "4", "-d", str(size), "-n", str(requests)]
+    args += ["-r", str(keyspace)] if keyspace else []
+    out = subprocess.run(
+        [*args, "-t", tests, "--csv"], capture_output=True, text=True, timeout=600
+    ).stdout
+    rates = {}
+    for line in out.splitlines()[1:]:
+        cols = [c.strip('"') for c in line.split(",")]
+        rates[cols[0].lower()] = float(cols[1]) * size / 1e9
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=65536)
+    ap.add_argument("--total-mib", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--inflight", default="4194304,1048576", help="max_inflight_bytes values")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from umbp_redis.ops.bench_dataplane import FINGERPRINT
+    from umbp_redis.ops.embedded_redis import EmbeddedRedis
+    from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
+    from umbp_redis.store.settings import RedisSettings
+
+    size, count = args.size, (args.total_mib << 20) // args.size
+    inflight = [int(x) for x in args.inflight.split(",")]
+    best: dict[str, float] = {}
+
+    def keep(name: str, value: float) -> None:
+        best[name] = max(best.get(name, 0.0), value)
+
+    with EmbeddedRedis() as srv:
+        base = RedisSettings.from_url(srv.url)
+        planes = {
+            w: RedisDataPlane(dataclasses.replace(base, max_inflight_bytes=w)) for w in inflight
+        }
+        staging = np.random.default_rng(2).integers(0, 256, (count, size), dtype=np.uint8)
+        dest = np.zeros_like(staging)
+        keys = [f"umbp:vllm:v1:small:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(count)]
+        stores = list(zip(keys, staging, strict=True))
+        loads = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
+        for _ in range(args.repeats):
+            for name, rates in (
+                ("one key", redis_benchmark(srv.port, size, None, "set,get")),
+                (f"{count} keys", redis_benchmark(srv.port, size, count, "set,get")),
+                ("fresh keys", redis_benchmark(srv.port, size, 1 << 40, "set", count)),
+            ):
+                for test, v in rates.items():
+                    keep(f"redis-benchmark {test.upper()} {name}", v)
+            redis.Redis.from_url(srv.url).flushall()  # this run's private server
+            for w, plane in planes.items():
+                for phase in ("fresh", "existing"):
+                    t0 = time.perf_counter()
+                    st = plane.store(stores, FINGERPRINT)
+                    dt = time.perf_counter() - t0
+                    assert all(s is StoreStatus.STORED for s in st)
+                    keep(
+                        f"umbp store {phase} keys, inflight {w >> 10} KiB", count * size / dt / 1e9
+                    )
+                t0 = time.perf_counter()
+                lt = plane.load(loads, FINGERPRINT)
+                dt = time.perf_counter() - t0
+                assert all(s is LoadStatus.LOADED for s in lt) and np.array_equal(dest, staging)
+                keep(f"umbp load, inflight {w >> 10} KiB", count * size / dt / 1e9)
+                plane.delete(keys)
+    print(f"{count} objects of {size} bytes, best of {args.repeats} (GB/s)")
+    for name, v in best.items():
+        print(f"  {name:45s} {v:6.2f}")
+    one_set, one_get = (
+        best.get("redis-benchmark SET one key"),
+        best.get("redis-benchmark GET one key"),
+    )
+    many_set = best.get(f"redis-benchmark SET {count} keys")
+    many_get = best.get(f"redis-benchmark GET {count} keys")
+    fresh_set = best.get("redis-benchmark SET fresh keys")
+    for w in inflight:
+        kib = w >> 10
+        sf = best[f"umbp store fresh keys, inflight {kib} KiB"]
+        se = best[f"umbp store existing keys, inflight {kib} KiB"]
+        ld = best[f"umbp load, inflight {kib} KiB"]
+        if one_set and one_get and many_set and many_get and fresh_set:
+            print(
+                f"inflight {kib} KiB: store fresh/fresh SET {sf / fresh_set:.2f}x, existing/"
+                f"{count}-key SET {se / many_set:.2f}x (one-key SET {se / one_set:.2f}x); "
+                f"load/{count}-key GET {ld / many_get:.2f}x (one-key GET {ld / one_get:.2f}x)"
+            )
+
+
+if __name__ == "__main__":
+    main()
