@@ -82,8 +82,8 @@ def wait_loaded(w: UMBPWorker, rid: str) -> set[int]:
     errors: set[int] = set()
     while time.monotonic() < deadline:
         errors |= w.get_block_ids_with_load_errors()
-        _, done = w.get_finished()
-        if done and rid in done:
+        done, _ = w.take_finished_loads()
+        if rid in done:
             return errors | w.get_block_ids_with_load_errors()
         time.sleep(0.01)
     raise AssertionError(f"{rid} never finished loading")
@@ -141,7 +141,7 @@ def test_sync_load_reports_errors_without_finished_ids(
     w, _ = make_worker(model_config, redis_url)
     step(w, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", (H3,), (2,), (0,), load_async=False)]))
     assert w.get_block_ids_with_load_errors() == {2}
-    assert w.get_finished() == (None, None)
+    assert w.take_finished_loads() == (set(), set())
 
 
 def test_full_staging_drops_stores_but_reports_the_event(
@@ -176,7 +176,7 @@ def test_cancelled_load_is_not_scattered(model_config: ModelConfig, redis_url: s
     with dst._lock:  # the scheduler preempts r2 before its load lands
         dst._cancelled.add("r2")
     dst._run_load(dst.meta.loads[0], True, None)  # type: ignore[union-attr]
-    assert "r2" in (dst.get_finished()[1] or set())
+    assert "r2" in dst.take_finished_loads()[0]
     assert all(not page_bytes(t, 6, NB).any() for t in dst_caches.values())
 
 
@@ -291,7 +291,7 @@ def test_load_finishes_only_after_its_scatter_completes(
     # scatter is ordered after it.
     assert [t for _, t in gated.points] == [threading.current_thread().name]
     time.sleep(0.3)
-    assert dst.get_finished() == (None, None)
+    assert dst.take_finished_loads() == (set(), set())
     assert gated.scatter_after == [gated.points[0][0]]
     gated.gate.set()
     assert wait_loaded(dst, "r2") == set()

@@ -103,7 +103,8 @@ class UMBPRedisConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished() if self._worker is not None else (None, None)
+        results = self.get_transfer_results(finished_req_ids)  # the one path: see there
+        return None, (results.finished_recving or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:

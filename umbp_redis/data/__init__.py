@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         CacheGroupPlans,
         CacheGroupReach,
         UnsupportedCacheGroup,
+        block_failures_reportable,
     )
     from umbp_redis.data.keys import (
         KEY_PREFIX,
@@ -104,6 +105,7 @@ _WHERE = {
     "UMBPHandshakeMetadata": "metadata",
     "UMBPNamespace": "namespace",
     "UnsupportedCacheGroup": "groups",
+    "block_failures_reportable": "groups",
     "layer_specs": "namespace",
     "namespace_inputs": "namespace",
     "namespace_pattern": "keys",
@@ -140,6 +142,7 @@ __all__ = [
     "UMBPHandshakeMetadata",
     "UMBPNamespace",
     "UnsupportedCacheGroup",
+    "block_failures_reportable",
     "layer_specs",
     "namespace_inputs",
     "namespace_pattern",

@@ -37,6 +37,14 @@ class UnsupportedCacheGroup(ValueError):
     """A KV cache group whose kind this connector cannot serve hits for."""
 
 
+def block_failures_reportable(config: KVCacheConfig) -> bool:
+    """Whether vLLM takes failed loads of this config as block ids
+    (``invalid_block_ids``): only with one KV cache group, block ids being per group.
+    With several a failed load fails its request (``failed_recving``), which vLLM
+    takes for async loads only."""
+    return len(config.kv_cache_groups) == 1
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

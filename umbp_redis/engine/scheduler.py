@@ -39,6 +39,7 @@ from umbp_redis.data import (
     UMBPHandshakeMetadata,
     UMBPNamespace,
     UnsupportedCacheGroup,
+    block_failures_reportable,
     tp_replicated_group_ids,
 )
 from umbp_redis.store.deployment import DataPlane, shared_plane
@@ -212,9 +213,9 @@ class UMBPScheduler:
             * len(kv_cache_config.kv_cache_groups[g].layer_names)
             for g in self.groups
         )
-        # vLLM takes failed sync loads only as block ids, which it cannot map back to
-        # requests when there are several cache groups: those load async only.
-        self.sync_loads_possible = len(kv_cache_config.kv_cache_groups) == 1
+        # A failed sync load can only be reported as block ids: see
+        # block_failures_reportable (models with several cache groups load async).
+        self.sync_loads_possible = block_failures_reportable(kv_cache_config)
         if self.load_mode is False and not self.sync_loads_possible:
             log.warning(
                 "umbp-redis: load_async=false is ignored: this model has %d KV cache groups "

@@ -37,6 +37,7 @@ from umbp_redis.data import (
     UMBPConnectorWorkerMetadata,
     UMBPHandshakeMetadata,
     UMBPNamespace,
+    block_failures_reportable,
     tp_replicated_group_ids,
 )
 from umbp_redis.engine.copy.factory import make_block_copier
@@ -194,9 +195,8 @@ class UMBPWorker:
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
-        # vLLM takes block-level load failures only from models with one cache group
-        # (block ids are per group); with several, a failed load fails its request.
-        self.fails_per_request = len(kv_cache_config.kv_cache_groups) > 1
+        # Failed loads as block ids where vLLM takes them, else as failed requests.
+        self.fails_per_request = not block_failures_reportable(kv_cache_config)
         self._failed_recving: set[str] = set()
         self._store_reports: dict[int, StoreEventResult] = {}
         # Block hashes whose load failed (invalid or error) since the last report; those
@@ -591,11 +591,6 @@ class UMBPWorker:
             self._load_errors |= block_ids
 
     # -- reports ----------------------------------------------------------------------
-
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose async loads are terminal since the last call."""
-        done, _ = self.take_finished_loads()
-        return None, (done or None)
 
     def take_finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose async loads are terminal since the last call, and those of
