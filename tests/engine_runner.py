@@ -8,7 +8,8 @@ Phases: ``generate`` (greedy), ``reset`` (drop vLLM's local prefix cache), ``cor
 (inspect every value), ``delete`` (remove every stored key), ``limit_memory`` (make
 the server a small LRU cache), ``evicted``, ``shutdown_redis`` and ``start_redis`` (a
 private server on a given port), ``kill_pid`` (SIGKILL a Redis node), ``sleep`` and
-``node_keys`` (stored keys per node), ``load_totals`` (the worker's load counters).
+``node_keys`` (stored keys per node), ``load_totals`` (the worker's load counters),
+``abort_after_one_step`` (a request aborted after one engine step).
 """
 
 from __future__ import annotations
@@ -155,6 +156,16 @@ def main(spec_path: str) -> None:
 
             servers.append(EmbeddedRedis(port=phase["port"]).start())
             time.sleep(phase.get("wait_s", 1.5))  # past the fail-fast window
+        elif op == "abort_after_one_step":  # a request aborted after its first step
+            # (one engine step per call needs VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            engine = llm.llm_engine
+            rid = f"aborted-{len(results)}"
+            engine.add_request(rid, spec["prompts"][phase.get("prompt", 0)], params)
+            engine.step()
+            engine.abort_request([rid])
+            while engine.has_unfinished_requests():
+                engine.step()
+            results[phase["name"]] = rid
         elif op == "leak_check":
             results[phase["name"]] = _leak_check(llm)
         elif op == "swap":  # each value moves to the next key: well formed, wrong block

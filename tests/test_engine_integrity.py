@@ -88,8 +88,22 @@ def integrity_run(
         {"op": "generate", "name": "warm"},
         *damage("strip_checksum", "after_strip"),
         *damage("corrupt", "after_corrupt"),
+        # A request whose sync load fails and that is aborted before vLLM recomputes the
+        # blocks: vLLM had cached them before the load; they must not stay hits.
+        {"op": "corrupt", "url": url, "name": "corrupt_again"},
+        {"op": "reset"},
+        {"op": "abort_after_one_step", "name": "aborted"},
+        {"op": "generate", "name": "after_abort", "prompts": PROMPTS[:1]},
+        {"op": "load_totals", "name": "loads"},
     ]
-    return run_engine(work, "integrity", model_dir, connector(url), phases)
+    return run_engine(
+        work,
+        "integrity",
+        model_dir,
+        connector(url),
+        phases,
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # one engine step per step() call
+    )
 
 
 def test_bad_values_are_misses_and_are_stored_again(
@@ -109,6 +123,13 @@ def test_bad_values_are_misses_and_are_stored_again(
     # What it stored again is good: the next fresh prefix cache hits all of it.
     for o in res["warm"]["outputs"]:
         assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    # The default (load_async auto) loads the tiny model's hits before the step (sync).
+    assert res["loads"]["sync_loads"] == res["loads"]["loads"] > 0
+    # The aborted request's failed sync load left nothing in vLLM's prefix cache (its
+    # damaged values were deleted from Redis): the same prompt computes everything.
+    (after_abort,) = res["after_abort"]["outputs"]
+    assert after_abort["cached"] == 0
+    assert after_abort["tokens"] == expected[0]
     log = (work / "integrity.log").read_text()
     assert "kv_load_failure_policy was 'fail'; using 'recompute'" in log
     assert "Traceback" not in log

@@ -1005,3 +1005,47 @@ def test_a_hybrid_model_always_loads_async(model_config: ModelConfig) -> None:
         req = request(3 * BS + 10)
         plane.present = {s.codec.key(h, g) for h in req.block_hashes for g in (0, 1)}
         assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+
+
+def test_a_failed_sync_load_takes_its_blocks_out_of_vllms_prefix_cache(
+    model_config: ModelConfig,
+) -> None:
+    """vLLM caches a sync load's blocks, and those the step computes after them, before
+    the load runs; when a worker reports the load failed, the scheduler evicts them from
+    vLLM's prefix cache (a real BlockPool), the blocks before the load stay."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, load_async="auto")
+    pool = BlockPool(16, enable_caching=True, hash_block_size=BS)
+    s.bind_block_pool(pool)
+    req = request(5 * BS + 40)
+    req.all_token_ids = list(range(5 * BS + 40))  # type: ignore[attr-defined]
+    assert s.codec is not None
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
+    # Block 0 is in vLLM's local cache; blocks 1 and 2 load sync, 3 and 4 are computed.
+    assert s.get_num_new_matched_tokens(req, BS) == (2 * BS, False)
+    blocks = pool.get_new_blocks(6)
+    ids = [b.block_id for b in blocks]
+    s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 2 * BS)  # type: ignore[arg-type]
+    pool.cache_full_blocks(req, blocks, 0, 5, BS, 0)  # type: ignore[arg-type]
+    meta = s.build_connector_meta(_step(new=[("r1", (ids,), 3 * BS)], sched={"r1": 2 * BS + 40}))
+    (load,) = meta.loads
+    assert load.load_async is False and load.block_ids == tuple(ids[1:3])
+    assert all(b.block_hash is not None for b in blocks[:5])
+    # A report without a failed sync load changes nothing.
+    s.update_connector_output(
+        SimpleNamespace(
+            finished_recving=None, kv_connector_worker_meta=UMBPConnectorWorkerMetadata()
+        )  # type: ignore[arg-type]
+    )
+    assert all(b.block_hash is not None for b in blocks[:5])
+    s.update_connector_output(
+        SimpleNamespace(  # type: ignore[arg-type]
+            finished_recving=None,
+            kv_connector_worker_meta=UMBPConnectorWorkerMetadata(sync_failed_requests=("r1",)),
+        )
+    )
+    assert blocks[0].block_hash is not None  # before the load: vLLM's own, still a hit
+    assert all(b.block_hash is None for b in blocks[1:5])  # loaded, or computed on them
+    assert s.sync_load_uncached == 5  # the request's blocks from the load on

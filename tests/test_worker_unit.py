@@ -123,6 +123,9 @@ def test_store_then_load_into_another_engine(
     )
     errors = wait_loaded(dst, "r2")
     assert errors == {11}  # H3 was never stored: that block is recomputed
+    # An async load's blocks are cached by vLLM only once loaded: nothing to uncache.
+    dmeta = dst.build_worker_meta()
+    assert dmeta is None or dmeta.sync_failed_requests == ()
     for name in src_caches:
         assert torch.equal(page_bytes(dst_caches[name], 9, NB), page_bytes(src_caches[name], 3, NB))
         assert torch.equal(
@@ -142,6 +145,9 @@ def test_sync_load_reports_errors_without_finished_ids(
     step(w, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", (H3,), (2,), (0,), load_async=False)]))
     assert w.get_block_ids_with_load_errors() == {2}
     assert w.take_finished_loads() == (set(), set())
+    # vLLM cached the sync load's blocks before it ran: the scheduler must hear of it.
+    wmeta = w.build_worker_meta()
+    assert wmeta is not None and wmeta.sync_failed_requests == ("r",)
 
 
 def test_full_staging_drops_stores_but_reports_the_event(

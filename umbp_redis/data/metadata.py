@@ -62,6 +62,9 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     no more Redis hits (vLLM asks again after a failed load at the prompt's start; the
     same failing value must not be loaded over and over).
     ``removed_blocks``: blocks whose value a worker found invalid and deleted.
+    ``sync_failed_requests``: requests a block of whose sync load did not load. vLLM
+    cached the load's blocks, and those the step computed after them, before the load
+    ran; the scheduler takes them out of vLLM's prefix cache.
     """
 
     store_results: dict[int, StoreEventResult] = field(default_factory=dict)
@@ -69,6 +72,7 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     repaired_loads: tuple[bytes, ...] = ()
     failed_requests: tuple[str, ...] = ()
     removed_blocks: tuple[bytes, ...] = ()
+    sync_failed_requests: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPConnectorWorkerMetadata:
         """Merge another rank's completions into a new object (neither input changes)."""
@@ -81,7 +85,8 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
         repaired = tuple(dict.fromkeys(self.repaired_loads + other.repaired_loads))
         requests = tuple(dict.fromkeys(self.failed_requests + other.failed_requests))
         removed = tuple(dict.fromkeys(self.removed_blocks + other.removed_blocks))
-        return UMBPConnectorWorkerMetadata(merged, failed, repaired, requests, removed)
+        sync_failed = tuple(dict.fromkeys(self.sync_failed_requests + other.sync_failed_requests))
+        return UMBPConnectorWorkerMetadata(merged, failed, repaired, requests, removed, sync_failed)
 
 
 @dataclass

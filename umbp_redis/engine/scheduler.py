@@ -107,6 +107,7 @@ class _RequestState:
     hit_blocks: int = 0  # blocks [0, hit_blocks) are known to be in Redis
     load_failed: bool = False  # a load of it failed on a value that would fail again
     load_async: bool = True  # how the hit of the last lookup answer loads
+    sync_load_from: int = 0  # the first block its last sync load loaded
     # Encoded lookup commands of blocks [0, len(lookup_cmds)), built once per block.
     lookup_cmds: list[Any] = field(default_factory=list)
     # The codec and the plane's lookup mode the commands were built with.
@@ -239,6 +240,7 @@ class UMBPScheduler:
         # Block hash -> monotonic time until which it is not offered as a hit.
         self.quarantine: OrderedDict[bytes, float] = OrderedDict()
         self.quarantine_skips = 0
+        self.sync_load_uncached = 0  # blocks taken from vLLM's cache after failed sync loads
         # KV cache events (only with vLLM's --kv-events-config): the blocks of each store
         # event until every worker reported it, then BlockStored for take_events().
         events_cfg = getattr(vllm_config, "kv_events_config", None)
@@ -559,6 +561,8 @@ class UMBPScheduler:
                 load_async=spec.load_async,
             )
         )
+        if not spec.load_async:
+            st.sync_load_from = first
         if spec.load_async and self.block_pool is not None and block_ids:
             # Destinations stay allocated until the load is done, even if the request
             # is aborted meanwhile and its blocks are freed.
@@ -940,6 +944,8 @@ class UMBPScheduler:
             st = self.requests.get(rid)
             if st is not None:
                 st.load_failed = True
+        for rid in meta.sync_failed_requests:
+            self._uncache_failed_sync_load(rid)
         if self.kv_events:
             for eid, res in meta.store_results.items():
                 self._note_store_report(eid, res.finished_workers, bool(res.failed_keys))
@@ -963,6 +969,20 @@ class UMBPScheduler:
             ev.reports += res.finished_workers
             if ev.reports >= self.num_workers:
                 self._release(eid)
+
+    def _uncache_failed_sync_load(self, rid: str) -> None:
+        """Take a request's blocks from its failed sync load on out of vLLM's prefix
+        cache. vLLM cached them, and the blocks the same step computed after them, before
+        the load ran; it rolls the request back to recompute them but keeps them cached
+        meanwhile, so a request that hit them before the recompute (or after the request
+        was aborted) would read KV that is not theirs."""
+        st = self.requests.get(rid)
+        pool = self.block_pool
+        if st is None or pool is None or not st.tracker.block_ids:
+            return
+        ids = {b for g in self.groups for b in st.tracker.block_ids[g][st.sync_load_from :]}
+        pool.evict_blocks(ids)
+        self.sync_load_uncached += len(ids)
 
     def _release(self, eid: int) -> None:
         ev = self.pinned.pop(eid)

@@ -198,6 +198,7 @@ class UMBPWorker:
         # Failed loads as block ids where vLLM takes them, else as failed requests.
         self.fails_per_request = not block_failures_reportable(kv_cache_config)
         self._failed_recving: set[str] = set()
+        self._sync_failed: dict[str, None] = {}  # requests whose sync load failed
         self._store_reports: dict[int, StoreEventResult] = {}
         # Block hashes whose load failed (invalid or error) since the last report; those
         # reported lately (bounded); those of them stored again since the last report.
@@ -548,7 +549,7 @@ class UMBPWorker:
                 load_ms_total=(time.perf_counter() - t0) * 1e3,
             )
             with self._lock:
-                self._note_load_failure(batch.request_id, failed)
+                self._note_load_failure(batch.request_id, failed, sync=not report)
                 if report:
                     self._finished_loads.add(batch.request_id)
                 left = self._loading.get(batch.request_id, 1) - 1
@@ -576,15 +577,18 @@ class UMBPWorker:
         """Report every block of ``batch`` as not loaded (vLLM recomputes them)."""
         self.stats.add(loads=1, load_failures=len(batch.block_ids))
         with self._lock:
-            self._note_load_failure(batch.request_id, set(batch.block_ids))
+            self._note_load_failure(batch.request_id, set(batch.block_ids), sync=not report)
             if report:
                 self._finished_loads.add(batch.request_id)
 
-    def _note_load_failure(self, request_id: str, block_ids: set[int]) -> None:
+    def _note_load_failure(self, request_id: str, block_ids: set[int], *, sync: bool) -> None:
         """Remember blocks that did not load, for the next report (lock held): as block
-        ids, or as a failed request where vLLM cannot take block ids (several groups)."""
+        ids, or as a failed request where vLLM cannot take block ids (several groups);
+        a failed sync load also for the scheduler (``sync_failed_requests``)."""
         if not block_ids:
             return
+        if sync:
+            self._sync_failed[request_id] = None
         if self.fails_per_request:
             self._failed_recving.add(request_id)
         else:
@@ -648,9 +652,12 @@ class UMBPWorker:
             repaired, self._repaired = tuple(self._repaired), {}
             requests, self._failed_requests = tuple(self._failed_requests), {}
             removed, self._removed = tuple(self._removed), {}
-        if not (reports or failed or repaired or requests or removed):
+            sync_failed, self._sync_failed = tuple(self._sync_failed), {}
+        if not (reports or failed or repaired or requests or removed or sync_failed):
             return None
-        return UMBPConnectorWorkerMetadata(reports, failed, repaired, requests, removed)
+        return UMBPConnectorWorkerMetadata(
+            reports, failed, repaired, requests, removed, sync_failed
+        )
 
     def idle(self) -> bool:
         """No transfer in flight."""
