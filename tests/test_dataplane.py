@@ -357,6 +357,26 @@ def test_timeout_is_bounded_and_a_miss(own_redis: EmbeddedRedis) -> None:
     d.close()
 
 
+def test_a_load_with_a_deadline_ends_by_it(own_redis: EmbeddedRedis) -> None:
+    """``deadline`` bounds the whole load, however long ``op_timeout_s`` is."""
+    d = make_plane(own_redis.url, op_timeout_s=5.0, fail_fast_s=0)
+    k = keys_for(1, "deadline")[0]
+    assert d.store([(k, payloads(1, 4096)[0])], FP) == [StoreStatus.STORED]
+    dst = np.zeros(4096, dtype=np.uint8)
+    assert d.load([(k, dst.data)], FP, deadline=time.monotonic() + 1.0) == [LoadStatus.LOADED]
+    blocker = redis.Redis.from_url(own_redis.url)
+    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
+    th.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert d.load([(k, dst.data)], FP, deadline=time.monotonic() + 0.3) == [LoadStatus.ERROR]
+    assert time.monotonic() - t0 < 1.0  # the server slept 2 s, op_timeout_s is 5 s
+    th.join()
+    assert d.pool.healthy  # a slow server is not an unreachable one: no fail-fast window
+    assert d.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
+    d.close()
+
+
 @pytest.mark.parametrize("cut_before", [b"*3\r\n$6\r\nEXPIRE", b"*1\r\n$4\r\nEXEC"])
 def test_a_store_cut_before_its_exec_leaves_no_value_without_ttl(
     own_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, cut_before: bytes

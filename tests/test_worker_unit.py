@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from umbp_redis.data import BlockLoadBatch, BlockStoreBatch, UMBPConnectorMetadata
 from umbp_redis.engine.worker import UMBPWorker
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
+from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.store.cluster import ClusterDataPlane
 from umbp_redis.store.deployment import open_plane
 from umbp_redis.store.errors import ConfigError
@@ -468,3 +469,30 @@ def test_the_worker_shortens_pythons_thread_switch_interval(
         assert abs(sys.getswitchinterval() - 0.0002) < 1e-9  # never lengthened
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_sync_load_holds_up_the_step_at_most_sync_load_timeout_s(
+    model_config: ModelConfig, own_redis: EmbeddedRedis
+) -> None:
+    """A server that stops answering (here DEBUG SLEEP) holds up a sync load for
+    ``sync_load_timeout_s``, not ``op_timeout_s``; its blocks are recomputed."""
+    import redis
+
+    stored_source(model_config, own_redis.url, H1, 3, seed=9)
+    w, _ = make_worker(model_config, own_redis.url, op_timeout_s=5.0, sync_load_timeout_s=0.3)
+    sync = BlockLoadBatch("r", (H1,), (4,), (0,), load_async=False)
+    step(w, UMBPConnectorMetadata(loads=[sync]))  # the connection is made, the load works
+    assert w.get_block_ids_with_load_errors() == set()
+    blocker = redis.Redis.from_url(own_redis.url)
+    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
+    th.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    step(w, UMBPConnectorMetadata(loads=[sync]))
+    held = time.monotonic() - t0
+    th.join()
+    assert held < 1.0  # the server slept 2 s; op_timeout_s is 5 s
+    assert w.get_block_ids_with_load_errors() == {4}
+    meta = w.build_worker_meta()
+    assert meta is not None and meta.sync_failed_requests == ("r",)
+    assert w.take_finished_loads() == (set(), set())  # sync: never reported finished

@@ -219,6 +219,7 @@ class UMBPWorker:
         # Loads into host KV caches receive straight into the blocks (tests turn it off
         # to compare with the staging path).
         self.direct_loads = True
+        self.sync_load_timeout_s = float(options["sync_load_timeout_s"])
         shorten_switch_interval(float(options["gil_switch_interval_ms"]))
         self.staging: StagingPool | None = None
         log.info(
@@ -467,6 +468,8 @@ class UMBPWorker:
 
     def _run_load(self, batch: BlockLoadBatch, report: bool, after: object | None) -> None:
         t0 = time.perf_counter()
+        # A sync load (not reported: the engine's step waits for it) ends in time.
+        deadline = None if report else time.monotonic() + self.sync_load_timeout_s
         failed: set[int] = set()
         slots: list[int] | None = None
         try:
@@ -489,7 +492,7 @@ class UMBPWorker:
             statuses: list[LoadStatus] = [LoadStatus.ERROR] * len(plans)
             for fp, idx in _by_fingerprint(plans).items():
                 items = [(plans[i].key, targets[i]) for i in idx]
-                for i, s in zip(idx, self.plane.load(items, fp), strict=True):
+                for i, s in zip(idx, self.plane.load(items, fp, deadline=deadline), strict=True):
                     statuses[i] = s
             with self._lock:
                 cancelled = batch.request_id in self._cancelled

@@ -528,15 +528,21 @@ class ClusterDataPlane:
         return out
 
     def load(
-        self, items: Sequence[tuple[str | bytes, Buffer]], fingerprint: bytes
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        fingerprint: bytes,
+        *,
+        deadline: float | None = None,
     ) -> list[LoadStatus]:
         """Read each key from its master into its buffer; per-key status, in order (as
-        ``RedisDataPlane.load``)."""
+        ``RedisDataPlane.load``, ``deadline`` included)."""
         if not items:
             return []
         out = self._route(
             items,
-            lambda plane, sub, asking: plane.load_raw(sub, fingerprint, asking=asking),
+            lambda plane, sub, asking: plane.load_raw(
+                sub, fingerprint, asking=asking, deadline=deadline
+            ),
             LoadStatus.ERROR,
             "load",
         )

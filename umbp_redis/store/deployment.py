@@ -57,9 +57,14 @@ class DataPlane(Protocol):
         ...
 
     def load(
-        self, items: Sequence[tuple[str | bytes, Buffer]], fingerprint: bytes
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        fingerprint: bytes,
+        *,
+        deadline: float | None = None,
     ) -> list[LoadStatus]:
-        """Per-key load outcome, in order."""
+        """Per-key load outcome, in order; with ``deadline`` (monotonic seconds) the call
+        ends by then (keys not read are ``ERROR``)."""
         ...
 
     def delete(self, keys: Sequence[str | bytes]) -> int:
@@ -262,13 +267,17 @@ class PendingPlane:
         return inner.store(items, fingerprint, skip_existing=skip_existing, ttl_seconds=ttl_seconds)
 
     def load(
-        self, items: Sequence[tuple[str | bytes, Buffer]], fingerprint: bytes
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        fingerprint: bytes,
+        *,
+        deadline: float | None = None,
     ) -> list[LoadStatus]:
         """The inner plane's loads; all ``ERROR`` while pending."""
         inner = self._inner
         if inner is None:
             return [LoadStatus.ERROR] * len(items)
-        return inner.load(items, fingerprint)
+        return inner.load(items, fingerprint, deadline=deadline)
 
     def delete(self, keys: Sequence[str | bytes]) -> int:
         """The inner plane's delete; 0 while pending."""

@@ -708,10 +708,16 @@ class RedisDataPlane:
     # -- load -------------------------------------------------------------------------
 
     def load(
-        self, items: Sequence[tuple[str | bytes, Buffer]], fingerprint: bytes
+        self,
+        items: Sequence[tuple[str | bytes, Buffer]],
+        fingerprint: bytes,
+        *,
+        deadline: float | None = None,
     ) -> list[LoadStatus]:
         """Read each key into its destination (a buffer, or a list of buffers that take
         consecutive pieces of the payload: see ``target_views``); per-key status, in order.
+        With ``deadline`` (monotonic seconds) the whole call ends by then: keys not read
+        by then are ``ERROR`` (else each socket operation waits ``op_timeout_s`` at most).
 
         A destination's content is meaningful only where the status is ``LOADED``: a
         value that fails validation is reported ``INVALID`` and a missing key
@@ -719,7 +725,7 @@ class RedisDataPlane:
         """
         if not items:
             return []
-        raw = self.load_raw(items, fingerprint)
+        raw = self.load_raw(items, fingerprint, deadline=deadline)
         results = [LoadStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
         record_loads(self.stats, items, results)
         return results
@@ -730,6 +736,7 @@ class RedisDataPlane:
         fingerprint: bytes,
         *,
         asking: bool = False,
+        deadline: float | None = None,
     ) -> list[LoadStatus | RedisRedirectError]:
         """``load`` without counting, a ``MOVED``/``ASK`` answer returned as its error
         (for the cluster client); with ``asking`` each ``HMGET`` follows an ``ASKING``."""
@@ -742,7 +749,7 @@ class RedisDataPlane:
         return self._fan_out(
             len(sub),
             total,
-            lambda rng: self._load_range(sub, rng, fingerprint, asking),
+            lambda rng: self._load_range(sub, rng, fingerprint, asking, deadline),
             error,
         )
 
@@ -752,18 +759,20 @@ class RedisDataPlane:
         rng: range,
         fingerprint: bytes,
         asking: bool = False,
+        deadline: float | None = None,
     ) -> list[LoadStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
         groups = _groups([_views_nbytes(sub[i][1]) + 128 for i in idx], window)
         pre = _ASKING if asking else b""
-        with self.pool.connection() as conn:
+        with self.pool.connection(deadline=deadline) as conn:
             return self._windowed(
                 groups,
                 lambda g: send_buffers(
                     conn.sock,
                     [b"".join(pre + _hmget_cmd(sub[idx[j]][0]) for j in g)],
                     use_sendmsg=False,
+                    deadline=deadline,
                 ),
                 lambda g: [
                     self._read_load(conn, sub[idx[j]][0], sub[idx[j]][1], fingerprint, asking)

@@ -194,6 +194,15 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "sync_load_timeout_s",
+        (int, float),
+        0.5,
+        "The longest a sync load may hold up the engine's step; blocks not loaded by "
+        "then are recomputed (an async load waits op_timeout_s per round trip instead, "
+        "without holding up the step).",
+        minimum=0.001,
+    ),
+    Option(
         "save_decode_cache",
         bool,
         False,
