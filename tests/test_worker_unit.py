@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -496,3 +497,54 @@ def test_a_sync_load_holds_up_the_step_at_most_sync_load_timeout_s(
     meta = w.build_worker_meta()
     assert meta is not None and meta.sync_failed_requests == ("r",)
     assert w.take_finished_loads() == (set(), set())  # sync: never reported finished
+
+
+def test_a_sync_load_that_finds_an_invalid_value_removes_it_within_sync_load_timeout_s(
+    model_config: ModelConfig, own_redis: EmbeddedRedis
+) -> None:
+    """Removing invalid values is part of the sync load: a server that stalls after
+    answering the load (DEBUG SLEEP) holds up the step for ``sync_load_timeout_s``, not
+    ``op_timeout_s``; the block is recomputed."""
+    import redis
+
+    src, _ = stored_source(model_config, own_redis.url, H1, 3, seed=9)
+    r = redis.Redis.from_url(own_redis.url)
+    key = src.codec.key(H1, 0)
+    body = bytearray(raw(r.hget(key, "b")))
+    body[7] ^= 0xFF
+    r.hset(key, "b", bytes(body))
+    w, _ = make_worker(model_config, own_redis.url, op_timeout_s=5.0, sync_load_timeout_s=0.3)
+    inner = w.plane
+    sleeper: list[threading.Thread] = []
+
+    class StallsBeforeDelete:
+        """The worker's plane, with the server falling asleep just before a delete."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        def delete(self, keys: Any, *, deadline: float | None = None) -> int:
+            th = threading.Thread(
+                target=lambda: redis.Redis.from_url(own_redis.url).execute_command(
+                    "DEBUG", "SLEEP", "2"
+                )
+            )
+            th.start()
+            sleeper.append(th)
+            time.sleep(0.1)
+            return int(inner.delete(keys, deadline=deadline))
+
+    w.plane = StallsBeforeDelete()  # type: ignore[assignment]
+    t0 = time.monotonic()
+    step(w, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", (H1,), (4,), (0,), load_async=False)]))
+    held = time.monotonic() - t0
+    sleeper[0].join()
+    assert held < 1.0  # the server slept 2 s; op_timeout_s is 5 s
+    assert w.get_block_ids_with_load_errors() == {4}
+    assert w.stats.take()["sync_loads"] == 1
+    # A sync load the scheduler could not plan is counted as a sync load too.
+    unplanned = BlockLoadBatch("u", (H2,), (5,), (0,), fail_all=True, load_async=False)
+    step(w, UMBPConnectorMetadata(loads=[unplanned]))
+    counts = w.stats.take()
+    assert (counts["sync_loads"], counts["load_failures"]) == (1, 1)
+    assert w.get_block_ids_with_load_errors() == {5}

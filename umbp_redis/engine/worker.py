@@ -506,7 +506,8 @@ class UMBPWorker:
                 # A damaged or foreign object would fail every engine until its TTL runs
                 # out; remove it so the next store replaces it.
                 log.warning("umbp-redis: %d invalid objects removed (recomputing)", len(invalid))
-                removed = self.plane.delete(invalid)
+                # A sync load's step waits for this too: same deadline.
+                removed = self.plane.delete(invalid, deadline=deadline)
                 if removed:
                     gone = [
                         p.block_hash
@@ -578,7 +579,7 @@ class UMBPWorker:
 
     def _fail_load(self, batch: BlockLoadBatch, report: bool) -> None:
         """Report every block of ``batch`` as not loaded (vLLM recomputes them)."""
-        self.stats.add(loads=1, load_failures=len(batch.block_ids))
+        self.stats.add(loads=1, sync_loads=0 if report else 1, load_failures=len(batch.block_ids))
         with self._lock:
             self._note_load_failure(batch.request_id, set(batch.block_ids), sync=not report)
             if report:

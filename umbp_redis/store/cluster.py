@@ -549,8 +549,9 @@ class ClusterDataPlane:
         record_loads(self.stats, items, out)
         return out
 
-    def delete(self, keys: Sequence[str | bytes]) -> int:
-        """UNLINK keys, one command per slot on its master; the number removed."""
+    def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
+        """UNLINK keys, one command per slot on its master; the number removed (the
+        nodes that answer by ``deadline``, monotonic seconds, when given)."""
         m = self._map
         if m is None or not keys:
             return 0
@@ -565,7 +566,7 @@ class ClusterDataPlane:
         for addr, slots in by_node.items():
             buf = b"".join(encode_command("UNLINK", *ks) for ks in slots.values())
             try:
-                replies = self.node(addr)._int_round_trip(buf, len(slots))
+                replies = self.node(addr)._int_round_trip(buf, len(slots), deadline=deadline)
             except RedisDataPlaneError:
                 continue
             removed += sum(r for r in replies if isinstance(r, int))

@@ -67,8 +67,9 @@ class DataPlane(Protocol):
         ends by then (keys not read are ``ERROR``)."""
         ...
 
-    def delete(self, keys: Sequence[str | bytes]) -> int:
-        """UNLINK keys; the number removed."""
+    def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
+        """UNLINK keys; the number removed (those removed by ``deadline``, monotonic
+        seconds, when given)."""
         ...
 
     def counters(self) -> dict[str, int]:
@@ -279,10 +280,10 @@ class PendingPlane:
             return [LoadStatus.ERROR] * len(items)
         return inner.load(items, fingerprint, deadline=deadline)
 
-    def delete(self, keys: Sequence[str | bytes]) -> int:
+    def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
         """The inner plane's delete; 0 while pending."""
         inner = self._inner
-        return 0 if inner is None else inner.delete(keys)
+        return 0 if inner is None else inner.delete(keys, deadline=deadline)
 
     def counters(self) -> dict[str, int]:
         """The inner plane's counters; none while pending."""

@@ -476,12 +476,19 @@ class RedisDataPlane:
     # -- shared round trips ------------------------------------------------------------
 
     def _int_round_trip(
-        self, buf: bytes, count: int, *, timeout: float | None = None, ok_replies: bool = False
+        self,
+        buf: bytes,
+        count: int,
+        *,
+        timeout: float | None = None,
+        ok_replies: bool = False,
+        deadline: float | None = None,
     ) -> list[int | ErrorReply]:
         """Send one pre-encoded buffer of ``count`` commands and read their integer replies
-        (with ``ok_replies``, any reply: ``+OK`` of ``ASKING`` then reads as 1)."""
-        with self.pool.connection(timeout=timeout) as conn:
-            send_buffers(conn.sock, [buf], use_sendmsg=False)
+        (with ``ok_replies``, any reply: ``+OK`` of ``ASKING`` then reads as 1); with
+        ``deadline`` (monotonic seconds) the exchange ends by then or raises."""
+        with self.pool.connection(timeout=timeout, deadline=deadline) as conn:
+            send_buffers(conn.sock, [buf], use_sendmsg=False, deadline=deadline)
             if not ok_replies:
                 return conn.reader.read_int_replies(count)
             out: list[int | ErrorReply] = []
@@ -490,10 +497,11 @@ class RedisDataPlane:
                 out.append(r if isinstance(r, int | ErrorReply) else 1)
             return out
 
-    def _command(self, *args: bytes | str | int) -> Any:
-        """One small command and its reply (raises ``RedisDataPlaneError``)."""
-        with self.pool.connection() as conn:
-            send_buffers(conn.sock, [encode_command(*args)], use_sendmsg=False)
+    def _command(self, *args: bytes | str | int, deadline: float | None = None) -> Any:
+        """One small command and its reply (raises ``RedisDataPlaneError``); with
+        ``deadline`` (monotonic seconds) the exchange ends by then or raises."""
+        with self.pool.connection(deadline=deadline) as conn:
+            send_buffers(conn.sock, [encode_command(*args)], use_sendmsg=False, deadline=deadline)
             return conn.reader.read_reply()
 
     @staticmethod
@@ -847,12 +855,13 @@ class RedisDataPlane:
 
     # -- misc -------------------------------------------------------------------------
 
-    def delete(self, keys: Sequence[str | bytes]) -> int:
-        """UNLINK keys; the number removed (0 on error)."""
+    def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
+        """UNLINK keys; the number removed (0 on error, or when ``deadline``, monotonic
+        seconds, passes first)."""
         if not keys:
             return 0
         try:
-            reply = self._command("UNLINK", *[_key_bytes(k) for k in keys])
+            reply = self._command("UNLINK", *[_key_bytes(k) for k in keys], deadline=deadline)
         except RedisDataPlaneError:
             return 0
         return reply if isinstance(reply, int) else 0

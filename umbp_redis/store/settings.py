@@ -197,9 +197,9 @@ OPTIONS: tuple[Option, ...] = (
         "sync_load_timeout_s",
         (int, float),
         0.5,
-        "The longest a sync load may hold up the engine's step; blocks not loaded by "
-        "then are recomputed (an async load waits op_timeout_s per round trip instead, "
-        "without holding up the step).",
+        "The longest a sync load may hold up the engine's step (removing invalid "
+        "values it found included); blocks not loaded by then are recomputed (an async "
+        "load waits op_timeout_s per round trip instead, without holding up the step).",
         minimum=0.001,
     ),
     Option(
