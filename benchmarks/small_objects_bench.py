@@ -8,7 +8,10 @@ script measures, in one run against one private server, interleaved (best of
 
 * redis-benchmark SET/GET on one key (the dataplane bench's baseline), on a keyspace of
   as many keys as this client moves (``-r COUNT``: values the server must find in
-  memory), and SET on fresh keys (``-r 2**40``, COUNT requests: the server allocates new memory);
+  memory), and SET on fresh keys (COUNT requests over a keyspace of 10**8 on an emptied
+  server, as this client's fresh store: the server allocates new memory; redis-benchmark
+  takes ``-r`` as a C int, and ``-r 2**40`` silently wrote ONE key, so the script checks
+  ``DBSIZE`` after the run);
 * this client's store on fresh keys (deleted before each run), its store over existing
   keys, and its load, with each ``max_inflight_bytes`` given.
 
@@ -30,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import redis
+
+# redis-benchmark's -r is a C int: a larger keyspace silently becomes ONE key.
+FRESH_KEYSPACE = 10**8
 
 
 def redis_benchmark(
@@ -82,14 +88,22 @@ def main() -> None:
         stores = list(zip(keys, staging, strict=True))
         loads = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
         for _ in range(args.repeats):
+            admin = redis.Redis.from_url(srv.url)
+            admin.flushall()  # this run's private server
+            fresh = redis_benchmark(srv.port, size, FRESH_KEYSPACE, "set", count)
+            written = admin.dbsize()
+            if fresh and written < count * 0.9:
+                raise RuntimeError(f"redis-benchmark wrote {written} keys, not ~{count}")
+            for test, v in fresh.items():
+                keep(f"redis-benchmark {test.upper()} fresh keys", v)
+            admin.flushall()
             for name, rates in (
                 ("one key", redis_benchmark(srv.port, size, None, "set,get")),
                 (f"{count} keys", redis_benchmark(srv.port, size, count, "set,get")),
-                ("fresh keys", redis_benchmark(srv.port, size, 1 << 40, "set", count)),
             ):
                 for test, v in rates.items():
                     keep(f"redis-benchmark {test.upper()} {name}", v)
-            redis.Redis.from_url(srv.url).flushall()  # this run's private server
+            admin.flushall()
             for w, plane in planes.items():
                 for phase in ("fresh", "existing"):
                     t0 = time.perf_counter()

@@ -195,6 +195,8 @@ def test_url_from_environment(redis_url: str, verb: str, monkeypatch: pytest.Mon
 def test_bench_touches_only_its_own_keys(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     r.set("precious", b"x")
+    # redis-benchmark's own default key: its SET would overwrite a user's value there.
+    r.set("key:__rand_int__", b"mine")
     fill(redis_url, "users", 3)
     env = {**__import__("os").environ, "UMBP_REDIS_URL": redis_url}
     args = ["bench", "dataplane", "--sizes", "65536", "--total-mib", "2", "--repeats", "1"]
@@ -207,12 +209,12 @@ def test_bench_touches_only_its_own_keys(redis_url: str) -> None:
         env=env,
     )
     assert out.returncode == 0, out.stderr
-    assert r.dbsize() == 4
+    assert r.dbsize() == 5
     # Aimed at a server with other data, it deletes only what it wrote.
     out = cli(*args, "--redis-url", redis_url)
     assert out.returncode == 0, out.stderr
     assert "checksum cost" in out.stdout
-    assert r.get("precious") == b"x"
+    assert r.get("precious") == b"x" and r.get("key:__rand_int__") == b"mine"
     assert sorted(k.decode() for k in r.scan_iter()) == sorted(
-        ["precious"] + [f"umbp:vllm:v1:users:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(3)]
+        ["precious", "key:__rand_int__"] + [f"umbp:vllm:v1:users:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(3)]
     )
