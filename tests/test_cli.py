@@ -216,5 +216,6 @@ def test_bench_touches_only_its_own_keys(redis_url: str) -> None:
     assert "checksum cost" in out.stdout
     assert r.get("precious") == b"x" and r.get("key:__rand_int__") == b"mine"
     assert sorted(k.decode() for k in r.scan_iter()) == sorted(
-        ["precious", "key:__rand_int__"] + [f"umbp:vllm:v1:users:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(3)]
+        ["precious", "key:__rand_int__"]
+        + [f"umbp:vllm:v1:users:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(3)]
     )

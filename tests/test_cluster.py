@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -577,4 +578,27 @@ def test_seed_nodes_serve_when_the_url_node_is_down(clean_cluster: EmbeddedClust
     keys = keys_for(10, "seed")
     data = payloads(10, seed=8)
     assert plane.store([(k, data[i]) for i, k in enumerate(keys)], FP) == [StoreStatus.STORED] * 10
+    plane.close()
+
+
+def test_on_loaded_indices_are_the_callers_across_masters(clean_cluster: EmbeddedCluster) -> None:
+    plane = cluster_plane(clean_cluster.url)
+    keys = keys_for(24, "ol")
+    data = payloads(24, seed=6)
+    assert plane.store(list(zip(keys, data, strict=True)), FP) == [StoreStatus.STORED] * 24
+    plane.delete([keys[5]])
+    dest = np.zeros_like(data)
+    seen: list[int] = []
+    not_in_place: list[int] = []
+    lock = threading.Lock()
+
+    def on_loaded(done: list[int]) -> None:
+        with lock:  # reported from each master's transfer thread
+            seen.extend(done)
+            # An index is reported only once its value is in place.
+            not_in_place.extend(i for i in done if not np.array_equal(dest[i], data[i]))
+
+    st = plane.load([(k, memoryview(dest[i])) for i, k in enumerate(keys)], FP, on_loaded=on_loaded)
+    assert sorted(seen) == [i for i, s in enumerate(st) if s is LoadStatus.LOADED]
+    assert sorted(seen) == [i for i in range(24) if i != 5] and not_in_place == []
     plane.close()

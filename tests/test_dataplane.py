@@ -693,3 +693,31 @@ def test_reading_into_pieces_takes_buffered_then_received_bytes(scatter_read: bo
     assert bytes(out) == data
     a.close()
     b.close()
+
+
+def test_on_loaded_reports_valid_keys_a_window_at_a_time(redis_url: str) -> None:
+    """``on_loaded`` gets the indices of valid keys while later replies are still to be
+    read (one call per window here), never a missing or invalid one."""
+    size = 8192
+    plane = make_plane(redis_url, max_inflight_bytes=4 * size, transfer_connections=1)
+    keys = keys_for(12, "ol")
+    data = payloads(12, size, seed=5)
+    assert plane.store(list(zip(keys, data, strict=True)), FP) == [StoreStatus.STORED] * 12
+    r = redis.Redis.from_url(redis_url)
+    r.delete(keys[3])  # missing
+    r.hset(keys[7], "b", b"\x00" * body_length(size))  # fails its checksum
+    dest = np.zeros_like(data)
+    calls: list[tuple[list[int], bool]] = []
+
+    def on_loaded(done: list[int]) -> None:
+        # Whether the last key's value is still to come when this batch is reported.
+        calls.append((done, not dest[11].any()))
+
+    st = plane.load([(k, memoryview(dest[i])) for i, k in enumerate(keys)], FP, on_loaded=on_loaded)
+    loaded = [i for i, s in enumerate(st) if s is LoadStatus.LOADED]
+    assert loaded == [i for i in range(12) if i not in (3, 7)]
+    assert sorted(i for done, _ in calls for i in done) == loaded
+    assert len(calls) >= 4 and calls[0][1]  # several windows; the first before the end
+    assert np.array_equal(dest[loaded], data[loaded])
+    plane.delete(keys)
+    plane.close()

@@ -548,3 +548,110 @@ def test_a_sync_load_that_finds_an_invalid_value_removes_it_within_sync_load_tim
     counts = w.stats.take()
     assert (counts["sync_loads"], counts["load_failures"]) == (1, 1)
     assert w.get_block_ids_with_load_errors() == {5}
+
+
+class RecordingCopier:
+    """The worker's own copier, recording each scatter (its blocks and when it started);
+    with ``fail_call`` set, that scatter call (1-based) raises instead."""
+
+    name = "recording"
+
+    def __init__(self, inner, fail_call: int = 0) -> None:  # type: ignore[no-untyped-def]
+        self.inner = inner
+        self.fail_call = fail_call
+        self.scatters: list[tuple[float, tuple[int, ...]]] = []
+
+    def engine_point(self) -> object | None:
+        return self.inner.engine_point()
+
+    def gather(self, plan):  # type: ignore[no-untyped-def]
+        return self.inner.gather(plan)
+
+    def scatter(self, plan, after=None):  # type: ignore[no-untyped-def]
+        self.scatters.append((time.monotonic(), plan.block_ids))
+        if len(self.scatters) == self.fail_call:
+            raise RuntimeError("kernel launch failed")
+        return self.inner.scatter(plan, after)
+
+
+def _staged_loader(model_config: ModelConfig, url: str, fail_call: int = 0):  # type: ignore[no-untyped-def]
+    """A worker that loads through staging, one connection, one object per window half,
+    its copier recorded and its plane's loads timed."""
+    size = object_size(model_config, url)
+    w, caches = make_worker(model_config, url, max_inflight_bytes=2 * size, transfer_connections=1)
+    rec = RecordingCopier(w.copier, fail_call)
+    w.copier = rec  # type: ignore[assignment]
+    inner = w.plane
+    load_ends: list[float] = []
+
+    class TimedPlane:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        def load(self, *args: Any, **kw: Any) -> Any:
+            out = inner.load(*args, **kw)
+            load_ends.append(time.monotonic())
+            return out
+
+    w.plane = TimedPlane()  # type: ignore[assignment]
+    return w, caches, rec, load_ends
+
+
+def test_a_staged_load_copies_each_window_while_later_ones_arrive(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    """Part 1 of issue 17: through staging, the copies of received blocks start while the
+    rest of the batch is still being received, not after it."""
+    hashes = [bytes([0x30 + i]) * 32 for i in range(6)]
+    src, src_caches = make_worker(model_config, redis_url)
+    fill_random(src_caches, seed=31)
+    step(
+        src,
+        UMBPConnectorMetadata(
+            stores=[BlockStoreBatch("s", tuple(hashes), tuple(range(6)), (0,) * 6, event_id=9)]
+        ),
+    )
+    while not src.idle():
+        time.sleep(0.01)
+    dst, dst_caches, rec, load_ends = _staged_loader(model_config, redis_url)
+    dest = tuple(range(8, 14))
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", tuple(hashes), dest, (0,) * 6)]))
+    assert wait_loaded(dst, "r") == set()
+    assert len(rec.scatters) >= 3  # a copy per window, not one for the batch
+    assert sorted(b for _, blocks in rec.scatters for b in blocks) == list(dest)
+    assert rec.scatters[0][0] < load_ends[0]  # started before the last value was in
+    for name in src_caches:
+        for s, d in zip(range(6), dest, strict=True):
+            assert torch.equal(
+                page_bytes(dst_caches[name], d, NB), page_bytes(src_caches[name], s, NB)
+            )
+
+
+def test_a_failed_copy_fails_only_its_blocks_and_does_not_quarantine_them(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    hashes = [bytes([0x40 + i]) * 32 for i in range(4)]
+    src, src_caches = make_worker(model_config, redis_url)
+    fill_random(src_caches, seed=41)
+    step(
+        src,
+        UMBPConnectorMetadata(
+            stores=[BlockStoreBatch("s", tuple(hashes), tuple(range(4)), (0,) * 4, event_id=9)]
+        ),
+    )
+    while not src.idle():
+        time.sleep(0.01)
+    dst, dst_caches, rec, _ = _staged_loader(model_config, redis_url, fail_call=2)
+    dest = (8, 9, 10, 11)
+    step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", tuple(hashes), dest, (0,) * 4)]))
+    failed = wait_loaded(dst, "r")
+    assert failed == set(rec.scatters[1][1]) and failed  # the blocks of the failed copy
+    for s, d in zip(range(4), dest, strict=True):
+        if d not in failed:
+            for name in src_caches:
+                assert torch.equal(
+                    page_bytes(dst_caches[name], d, NB), page_bytes(src_caches[name], s, NB)
+                )
+    meta = dst.build_worker_meta()
+    assert meta is None or meta.failed_loads == ()  # the values are fine: no quarantine
+    assert dst.staging is not None and dst.staging.free_slots == dst.staging.num_slots

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ from umbp_redis.data import (
 )
 from umbp_redis.engine.copy.factory import make_block_copier
 from umbp_redis.engine.copy.interface import BlockCopier, CopyHandle
+from umbp_redis.engine.load_scatter import ScatterAsLoaded
 from umbp_redis.engine.staging import StagingPool, staging_budget
 from umbp_redis.engine.stats import CLUSTER_COUNTERS, NODE_FAILURES_PREFIX
 from umbp_redis.engine.weights import weights_fingerprint
@@ -91,6 +93,16 @@ def _by_fingerprint(plans: list[BlockTransferPlan]) -> dict[bytes, list[int]]:
     for i, p in enumerate(plans):
         groups[p.layout_fingerprint].append(i)
     return groups
+
+
+def _positions(
+    scatters: ScatterAsLoaded | None, idx: list[int]
+) -> Callable[[list[int]], None] | None:
+    """The plane's ``on_loaded`` for one of a load's fingerprint groups: positions in the
+    group (``idx``) are mapped back to positions in the load."""
+    if scatters is None:
+        return None
+    return lambda done: scatters.launch([idx[j] for j in done])
 
 
 def _copy_plan(plans: list[BlockTransferPlan], slots: list[int]) -> StagingCopyPlan:
@@ -472,6 +484,7 @@ class UMBPWorker:
         deadline = None if report else time.monotonic() + self.sync_load_timeout_s
         failed: set[int] = set()
         slots: list[int] | None = None
+        scatters: ScatterAsLoaded | None = None
         try:
             plans = [self._plan(p, batch.request_id) for p in batch]
             staging, copier = self.staging, self.copier
@@ -489,14 +502,33 @@ class UMBPWorker:
             if targets is None or copier is None:
                 failed = {p.block_id for p in plans}
                 return
+            if slots is not None:
+                # Through staging: each window's copies start as soon as it is received,
+                # while the next one is still arriving.
+                staged = slots
+                scatters = ScatterAsLoaded(
+                    copier,
+                    lambda ii: _copy_plan([plans[i] for i in ii], [staged[i] for i in ii]),
+                    after,
+                    lambda: self._is_cancelled(batch.request_id),
+                )
             statuses: list[LoadStatus] = [LoadStatus.ERROR] * len(plans)
             for fp, idx in _by_fingerprint(plans).items():
                 items = [(plans[i].key, targets[i]) for i in idx]
-                for i, s in zip(idx, self.plane.load(items, fp, deadline=deadline), strict=True):
+                res = self.plane.load(
+                    items, fp, deadline=deadline, on_loaded=_positions(scatters, idx)
+                )
+                for i, s in zip(idx, res, strict=True):
                     statuses[i] = s
-            with self._lock:
-                cancelled = batch.request_id in self._cancelled
-            if cancelled:
+            copy_failed: set[int] = set()
+            if scatters is not None:
+                # Every valid block is copied (a plane that reported none is caught up
+                # here) and all copies are done before the request is reported. A failed
+                # copy fails its block (recomputed) without blaming the value.
+                scatters.launch([i for i, st in enumerate(statuses) if st is LoadStatus.LOADED])
+                scatters.wait()
+                copy_failed = scatters.failed
+            if self._is_cancelled(batch.request_id):
                 return
             invalid = [
                 p.key for p, st in zip(plans, statuses, strict=True) if st is LoadStatus.INVALID
@@ -529,21 +561,21 @@ class UMBPWorker:
                     self._failed_requests[batch.request_id] = None
                     _remember(self._failed_loads, bad)
                     _remember(self._recent_failed, bad)
-            loaded = [i for i, st in enumerate(statuses) if st is LoadStatus.LOADED]
-            failed = {
-                p.block_id for i, p in enumerate(plans) if statuses[i] is not LoadStatus.LOADED
-            }
-            if loaded and slots is not None:
-                # The request is reported finished only after the bytes are in its blocks.
-                copier.scatter(
-                    _copy_plan([plans[i] for i in loaded], [slots[i] for i in loaded]), after
-                ).wait()
+            loaded = [
+                i
+                for i, st in enumerate(statuses)
+                if st is LoadStatus.LOADED and i not in copy_failed
+            ]
+            done = set(loaded)
+            failed = {p.block_id for i, p in enumerate(plans) if i not in done}
             nbytes = sum(plans[i].object_size for i in loaded)
             self.stats.add(blocks_loaded=len(loaded), bytes_loaded=nbytes)
         except Exception as e:  # never let a transfer bug reach the engine: recompute instead
             log.error("umbp-redis load of %s failed: %r", batch.request_id, e)
             failed = set(batch.block_ids)
         finally:
+            if scatters is not None:
+                scatters.wait()  # no copy may still read a slot that is handed back
             if slots is not None and self.staging is not None:
                 self.staging.release(slots)
             self.stats.add(
@@ -562,6 +594,11 @@ class UMBPWorker:
                 else:
                     self._loading.pop(batch.request_id, None)
                     self._cancelled.discard(batch.request_id)
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        """Whether the scheduler cancelled ``request_id``'s loads (preempted)."""
+        with self._lock:
+            return request_id in self._cancelled
 
     def _receive_views(self, plans: list[BlockTransferPlan]) -> list[list[memoryview]] | None:
         """Each block's engine memory to receive its value into, or None where the

@@ -30,6 +30,7 @@ from umbp_redis.store.connection import RedisConnection
 from umbp_redis.store.errors import RedisDataPlaneError, RedisRedirectError, RedisTimeoutError
 from umbp_redis.store.plane import (
     DataPlaneStats,
+    LoadedCallback,
     LoadStatus,
     RedisDataPlane,
     StoreStatus,
@@ -429,12 +430,15 @@ class ClusterDataPlane:
     def _route(
         self,
         items: Sequence[tuple[str | bytes, Buffer]],
-        call: Callable[[RedisDataPlane, list[tuple[str | bytes, Buffer]], bool], list[Any]],
+        call: Callable[
+            [RedisDataPlane, list[tuple[str | bytes, Buffer]], bool, list[int]], list[Any]
+        ],
         on_error: S,
         what: str,
     ) -> list[S]:
-        """Run ``call`` on each master's share of ``items`` in parallel; follow ``MOVED``
-        and ``ASK`` once. Per-item results, in order."""
+        """Run ``call`` (node, its items, asking, their indices in ``items``) on each
+        master's share of ``items`` in parallel; follow ``MOVED`` and ``ASK`` once.
+        Per-item results, in order."""
         out: list[S] = [on_error] * len(items)
         m = self._map
         if m is None:
@@ -456,7 +460,7 @@ class ClusterDataPlane:
                 break
             futures = {
                 target: self._executor.submit(
-                    self._guarded, call, target[0], [items[i] for i in idx], target[1], on_error
+                    self._guarded, call, target[0], idx, items, target[1], on_error
                 )
                 for target, idx in groups.items()
             }
@@ -487,18 +491,21 @@ class ClusterDataPlane:
 
     def _guarded(
         self,
-        call: Callable[[RedisDataPlane, list[tuple[str | bytes, Buffer]], bool], list[Any]],
+        call: Callable[
+            [RedisDataPlane, list[tuple[str | bytes, Buffer]], bool, list[int]], list[Any]
+        ],
         addr: Address,
-        items: list[tuple[str | bytes, Buffer]],
+        idx: list[int],
+        items: Sequence[tuple[str | bytes, Buffer]],
         asking: bool,
         on_error: S,
     ) -> list[Any]:
         try:
-            return call(self.node(addr), items, asking)
+            return call(self.node(addr), [items[i] for i in idx], asking, idx)
         except Exception as e:  # a bug fails these keys, nothing more
             self.stats.add(unexpected_errors=1)
             log.error("umbp-redis: unexpected error on cluster node %s: %r", addr, e)
-            return [on_error] * len(items)
+            return [on_error] * len(idx)
 
     def store(
         self,
@@ -514,7 +521,7 @@ class ClusterDataPlane:
             return []
         out = self._route(
             items,
-            lambda plane, sub, asking: plane.store_raw(
+            lambda plane, sub, asking, _idx: plane.store_raw(
                 sub,
                 fingerprint,
                 skip_existing=skip_existing,
@@ -533,16 +540,28 @@ class ClusterDataPlane:
         fingerprint: bytes,
         *,
         deadline: float | None = None,
+        on_loaded: LoadedCallback | None = None,
     ) -> list[LoadStatus]:
         """Read each key from its master into its buffer; per-key status, in order (as
-        ``RedisDataPlane.load``, ``deadline`` included)."""
+        ``RedisDataPlane.load``, ``deadline`` and ``on_loaded`` included)."""
         if not items:
             return []
+
+        def node_load(
+            plane: RedisDataPlane,
+            sub: list[tuple[str | bytes, Buffer]],
+            asking: bool,
+            idx: list[int],
+        ) -> list[LoadStatus | RedisRedirectError]:
+            # The node's indices are into its share: map them back to ``items``.
+            found = None if on_loaded is None else lambda done: on_loaded([idx[j] for j in done])
+            return plane.load_raw(
+                sub, fingerprint, asking=asking, deadline=deadline, on_loaded=found
+            )
+
         out = self._route(
             items,
-            lambda plane, sub, asking: plane.load_raw(
-                sub, fingerprint, asking=asking, deadline=deadline
-            ),
+            node_load,
             LoadStatus.ERROR,
             "load",
         )

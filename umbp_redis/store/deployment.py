@@ -19,7 +19,13 @@ from typing import Any, Protocol
 from umbp_redis.store.cluster import ClusterDataPlane, read_slot_map
 from umbp_redis.store.connection import AuthAlarm, RedisConnection
 from umbp_redis.store.errors import ConfigError, RedisAuthError, RedisDataPlaneError
-from umbp_redis.store.plane import LoadStatus, LookupEncoder, RedisDataPlane, StoreStatus
+from umbp_redis.store.plane import (
+    LoadedCallback,
+    LoadStatus,
+    LookupEncoder,
+    RedisDataPlane,
+    StoreStatus,
+)
 from umbp_redis.store.resp import Buffer, ErrorReply, encode_command, send_buffers
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.slots import SlotMap
@@ -62,9 +68,11 @@ class DataPlane(Protocol):
         fingerprint: bytes,
         *,
         deadline: float | None = None,
+        on_loaded: LoadedCallback | None = None,
     ) -> list[LoadStatus]:
         """Per-key load outcome, in order; with ``deadline`` (monotonic seconds) the call
-        ends by then (keys not read are ``ERROR``)."""
+        ends by then (keys not read are ``ERROR``); ``on_loaded`` gets the indices of
+        valid keys a batch at a time while later ones are still arriving."""
         ...
 
     def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
@@ -273,12 +281,13 @@ class PendingPlane:
         fingerprint: bytes,
         *,
         deadline: float | None = None,
+        on_loaded: LoadedCallback | None = None,
     ) -> list[LoadStatus]:
         """The inner plane's loads; all ``ERROR`` while pending."""
         inner = self._inner
         if inner is None:
             return [LoadStatus.ERROR] * len(items)
-        return inner.load(items, fingerprint, deadline=deadline)
+        return inner.load(items, fingerprint, deadline=deadline, on_loaded=on_loaded)
 
     def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
         """The inner plane's delete; 0 while pending."""

@@ -56,6 +56,9 @@ from umbp_redis.store.value_format import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Called with the indices of keys a load found valid, a batch at a time (see ``load``).
+LoadedCallback = Callable[[list[int]], None]
+
 
 def target_views(target: Buffer | list[Buffer]) -> list[memoryview]:
     """A load destination as byte views in payload order: one buffer, or a list of
@@ -721,11 +724,16 @@ class RedisDataPlane:
         fingerprint: bytes,
         *,
         deadline: float | None = None,
+        on_loaded: LoadedCallback | None = None,
     ) -> list[LoadStatus]:
         """Read each key into its destination (a buffer, or a list of buffers that take
         consecutive pieces of the payload: see ``target_views``); per-key status, in order.
         With ``deadline`` (monotonic seconds) the whole call ends by then: keys not read
         by then are ``ERROR`` (else each socket operation waits ``op_timeout_s`` at most).
+        With ``on_loaded``, it is called with the indices (into ``items``) of keys found
+        ``LOADED``, a batch at a time as their replies are read (from the transfer
+        threads, while later replies are still arriving), before the call returns; a key
+        reported there can still end ``ERROR`` if its connection fails later.
 
         A destination's content is meaningful only where the status is ``LOADED``: a
         value that fails validation is reported ``INVALID`` and a missing key
@@ -733,7 +741,7 @@ class RedisDataPlane:
         """
         if not items:
             return []
-        raw = self.load_raw(items, fingerprint, deadline=deadline)
+        raw = self.load_raw(items, fingerprint, deadline=deadline, on_loaded=on_loaded)
         results = [LoadStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
         record_loads(self.stats, items, results)
         return results
@@ -745,6 +753,7 @@ class RedisDataPlane:
         *,
         asking: bool = False,
         deadline: float | None = None,
+        on_loaded: LoadedCallback | None = None,
     ) -> list[LoadStatus | RedisRedirectError]:
         """``load`` without counting, a ``MOVED``/``ASK`` answer returned as its error
         (for the cluster client); with ``asking`` each ``HMGET`` follows an ``ASKING``."""
@@ -757,7 +766,7 @@ class RedisDataPlane:
         return self._fan_out(
             len(sub),
             total,
-            lambda rng: self._load_range(sub, rng, fingerprint, asking, deadline),
+            lambda rng: self._load_range(sub, rng, fingerprint, asking, deadline, on_loaded),
             error,
         )
 
@@ -768,9 +777,22 @@ class RedisDataPlane:
         fingerprint: bytes,
         asking: bool = False,
         deadline: float | None = None,
+        on_loaded: LoadedCallback | None = None,
     ) -> list[LoadStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
+
+        def read(conn: RedisConnection, g: range) -> list[LoadStatus | RedisRedirectError]:
+            res = [
+                self._read_load(conn, sub[idx[j]][0], sub[idx[j]][1], fingerprint, asking)
+                for j in g
+            ]
+            if on_loaded is not None:
+                done = [idx[j] for j, st in zip(g, res, strict=True) if st is LoadStatus.LOADED]
+                if done:
+                    on_loaded(done)
+            return res
+
         groups = _groups([_views_nbytes(sub[i][1]) + 128 for i in idx], window)
         pre = _ASKING if asking else b""
         with self.pool.connection(deadline=deadline) as conn:
@@ -782,10 +804,7 @@ class RedisDataPlane:
                     use_sendmsg=False,
                     deadline=deadline,
                 ),
-                lambda g: [
-                    self._read_load(conn, sub[idx[j]][0], sub[idx[j]][1], fingerprint, asking)
-                    for j in g
-                ],
+                lambda g: read(conn, g),
             )
 
     def _read_load(
