@@ -15,7 +15,10 @@ load time, from the worker's counters) against ``umbp_gbps`` of the data-plane
 benchmark on 2 MiB objects in the same run (goal >= 0.8x).
 
 Usage: .venv/bin/python benchmarks/warm_ttft_bench.py [--prompts 3] [--words 3000] [--reps 5]
-       [--compare {staging,python-gil,no-idle-wait,async,sync}] [--busy N]
+       [--compare {staging,staging-batch,python-gil,no-idle-wait,async,sync}] [--busy N]
+
+``--compare staging-batch`` makes ``redis`` load through staging too (copying each
+window into the engine as it arrives) and the third engine copy after the whole batch.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def serve(spec: dict[str, Any]) -> None:
 
         worker: Any = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
         worker.direct_loads = bool(spec.get("direct", True))
+        worker.scatter_as_loaded = spec.get("scatter_as_loaded")
         add = worker.stats.add
 
         def counted(**values: float) -> None:
@@ -154,9 +158,16 @@ class Engine:
         log: Path,
         direct: bool = True,
         extra: dict[str, Any] | None = None,
+        overlap: bool | None = None,
     ) -> None:
         spec = json.dumps(
-            {"model": str(model), "redis_url": redis_url, "direct": direct, "extra": extra or {}}
+            {
+                "model": str(model),
+                "redis_url": redis_url,
+                "direct": direct,
+                "scatter_as_loaded": overlap,
+                "extra": extra or {},
+            }
         )
         env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
@@ -202,14 +213,15 @@ def main() -> None:
     ap.add_argument("--work", default=".umbp-bench-cache")
     ap.add_argument(
         "--compare",
-        choices=("none", "staging", "python-gil", "no-idle-wait", "async", "sync"),
+        choices=("none", "staging", "staging-batch", "python-gil", "no-idle-wait", "async", "sync"),
         default="none",
         help="also run a third engine: one that loads through staging and scatter (the "
         "path before loads received straight into host KV caches), or one that leaves "
         "Python's 5 ms thread switch interval (gil_switch_interval_ms: 0), or one whose "
         "scheduler never waits in idle steps (idle_wait_ms: 0), or one that loads every "
         "hit async (load_async: true) or sync (false) where the default (auto) chooses "
-        "by size",
+        "by size; staging-batch: redis loads through staging copying each window as it "
+        "arrives, the third engine through staging copying after the whole batch",
     )
     ap.add_argument(
         "--busy",
@@ -237,9 +249,16 @@ def main() -> None:
     with EmbeddedRedis() as server:
         plane = RedisDataPlane(RedisSettings.from_url(server.url))
         local = Engine(model, None, work / "local.log")
-        redis = Engine(model, server.url, work / "redis.log")
+        # staging-batch: both connector engines load through staging; "redis" copies
+        # each window as it arrives, the other after the whole batch.
+        batch = args.compare == "staging-batch"
+        redis = Engine(
+            model, server.url, work / "redis.log", direct=not batch, overlap=True if batch else None
+        )
         staged: Engine | None = None
-        if args.compare == "staging":
+        if args.compare == "staging-batch":
+            staged = Engine(model, server.url, work / "other.log", direct=False, overlap=False)
+        elif args.compare == "staging":
             staged = Engine(model, server.url, work / "other.log", direct=False)
         elif args.compare == "python-gil":
             staged = Engine(

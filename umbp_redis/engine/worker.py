@@ -231,6 +231,11 @@ class UMBPWorker:
         # Loads into host KV caches receive straight into the blocks (tests turn it off
         # to compare with the staging path).
         self.direct_loads = True
+        # Loads through staging copy each window as it arrives where the copier is
+        # asynchronous (a GPU: the copy costs the transfer thread a launch); synchronous
+        # host copies would hold up the receiving thread, measured no faster, so they
+        # run after the batch. True or False forces either (benchmarks).
+        self.scatter_as_loaded: bool | None = None
         self.sync_load_timeout_s = float(options["sync_load_timeout_s"])
         shorten_switch_interval(float(options["gil_switch_interval_ms"]))
         self.staging: StagingPool | None = None
@@ -515,9 +520,11 @@ class UMBPWorker:
             statuses: list[LoadStatus] = [LoadStatus.ERROR] * len(plans)
             for fp, idx in _by_fingerprint(plans).items():
                 items = [(plans[i].key, targets[i]) for i in idx]
-                res = self.plane.load(
-                    items, fp, deadline=deadline, on_loaded=_positions(scatters, idx)
-                )
+                overlap = self.scatter_as_loaded
+                if overlap is None:
+                    overlap = after is not None  # engine_point is None: synchronous copies
+                early = _positions(scatters, idx) if overlap else None
+                res = self.plane.load(items, fp, deadline=deadline, on_loaded=early)
                 for i, s in zip(idx, res, strict=True):
                     statuses[i] = s
             copy_failed: set[int] = set()
