@@ -565,3 +565,52 @@ def test_hybrid_sliding_window_model_stores_per_group_and_loads_every_hit(
     assert by_group[1] == 2 + len(PROMPTS) + long_blocks
     window = {b for end in {(n_long - 1) // BLOCK, n_long // BLOCK} for b in (end - 2, end - 1)}
     assert by_group[0] == 2 + len(PROMPTS) + len(window)
+
+
+def test_hybrid_model_in_lazy_store_mode_stores_on_eviction_and_loads_right_tokens(
+    work: Path, hybrid_model: Path
+) -> None:
+    """Lazy stores with two KV cache groups: what a small cache evicts reaches Redis in
+    both groups, and a fresh engine that loads it gives an engine without the
+    connector's tokens."""
+    other = sample_prompts(4, 420, seed=7)
+    with EmbeddedRedis() as srv:
+        plain = run_engine(work, "hyl_plain", hybrid_model, None, [{"op": "generate", "name": "g"}])
+        small = run_engine(
+            work,
+            "hyl_small",
+            hybrid_model,
+            connector(srv.url, store_mode="lazy"),
+            [
+                {"op": "generate", "name": "cold"},
+                {"op": "generate", "name": "other", "prompts": other},
+                {"op": "count_keys", "name": "after_other", "url": srv.url},
+                {"op": "generate", "name": "again"},
+                {"op": "leak_check", "name": "leak"},
+            ],
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
+            max_model_len=1024,
+            engine_args={"num_gpu_blocks_override": 24},
+        )
+        r = redis.Redis.from_url(srv.url)
+        groups = {parse_key(k.decode()).group_id for k in r.scan_iter(match="umbp:vllm:v1:*")}
+        big = run_engine(
+            work,
+            "hyl_big",
+            hybrid_model,
+            connector(srv.url, store_mode="lazy"),
+            [{"op": "generate", "name": "warm"}],
+        )
+        log = (work / "hyl_small.log").read_text() + (work / "hyl_big.log").read_text()
+    assert "Traceback" not in log and "EngineDeadError" not in log
+    want = tokens(plain["g"])
+    for res, phase in ((small, "cold"), (small, "again"), (big, "warm")):
+        assert tokens(res[phase]) == want, phase
+    assert small["after_other"] > 0 and groups == {0, 1}  # evicted blocks of both groups
+    # The small cache evicted every block of the first prompts (both groups' blocks went
+    # to Redis on their way out): the fresh engine hits every prompt block.
+    for o in big["warm"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    leak = small["leak"]
+    assert leak["staging_in_use"] == 0 and leak["tracked_requests"] == 0
+    assert leak["pinned_blocks"] == leak["lazy_pending"]
