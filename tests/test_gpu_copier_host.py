@@ -328,3 +328,45 @@ def test_auto_falls_back_to_torch_copies_with_a_warning_and_cupy_refuses(
     assert "GPU copy kernel unavailable" in caplog.text and "did not build" in caplog.text
     with pytest.raises(ConfigError, match=r"copy_backend.*'cupy'.*did not build"):
         make_block_copier("cupy", _on_cuda(caches), templates, pool, 6)  # type: ignore[arg-type]
+
+
+def test_scatter_as_loaded_launches_each_window_and_blocks_only_in_wait(fake: FakeCuda) -> None:
+    """The worker's overlap of copies with the receive (issue 17 part 1) on the kernel
+    copier: each reported window is one launch on the load stream after the engine
+    point, nothing waits on the host until ``wait``, which then waits for every launch;
+    the blocks get the reference bytes."""
+    from umbp_redis.engine.load_scatter import ScatterAsLoaded
+
+    planner, templates, caches, pool, copier = _setup("kv_outer_5d")
+    copier.gather(StagingCopyPlan((0,) * 4, (2, 4, 1, 5), (0, 1, 2, 3))).wait()
+    other = zeroed_clone(caches)
+    p2 = KVLayoutPlanner(planner.kv_cache_config)
+    t2 = {0: p2.range_template(0, p2.register_kv_caches(other))}
+    dst = CupyBlockCopier(_on_cuda(other), t2, PinnedPool(pool), p2.num_blocks)  # type: ignore[arg-type]
+    dest = (5, 1, 3, 0)
+    fake.log.clear()
+    point: Any = dst.engine_point()
+    scatters = ScatterAsLoaded(
+        dst,
+        lambda ii: StagingCopyPlan((0,) * len(ii), tuple(dest[i] for i in ii), tuple(ii)),
+        point,
+    )
+    scatters.launch([0, 1])  # the first window is in; the next ones are still arriving
+    scatters.launch([2])
+    scatters.launch([3, 2])  # 2 again: already started, not copied twice
+    load = fake.stream_named("load")
+    launches = [e for e in fake.log if e[0] == "launch"]
+    assert [e[1] for e in launches] == [load] * 3 and scatters.launches == 3
+    assert [e for e in fake.log if e[0] == "wait"] == [("wait", load, point.name)] * 3
+    assert not any(e[0] == "host_wait" for e in fake.log)  # no launch waited on the host
+    scatters.wait()
+    assert sum(e[0] == "host_wait" for e in fake.log) == 3 and scatters.failed == set()
+
+    want = zeroed_clone(caches)
+    p3 = KVLayoutPlanner(planner.kv_cache_config)
+    t3 = {0: p3.range_template(0, p3.register_kv_caches(want))}
+    TorchBlockCopier(want, t3, pool, p3.num_blocks).scatter(
+        StagingCopyPlan((0,) * 4, dest, (0, 1, 2, 3))
+    )
+    for got, ref in zip(storages(other), storages(want), strict=True):
+        assert torch.equal(got, ref)
