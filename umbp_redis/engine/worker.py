@@ -508,8 +508,8 @@ class UMBPWorker:
                 failed = {p.block_id for p in plans}
                 return
             if slots is not None:
-                # Through staging: each window's copies start as soon as it is received,
-                # while the next one is still arriving.
+                # Through staging: copies of valid values; with an asynchronous copier
+                # each window's start as soon as it is received (see scatter_as_loaded).
                 staged = slots
                 scatters = ScatterAsLoaded(
                     copier,
