@@ -577,6 +577,20 @@ class RecordingCopier:
         return self.inner.scatter(plan, after)
 
 
+def stored_blocks(
+    model_config: ModelConfig, url: str, hashes: list[bytes], seed: int
+) -> dict[str, torch.Tensor]:
+    """The KV caches of a worker whose random blocks 0..n-1 were stored under ``hashes``."""
+    n = len(hashes)
+    src, caches = make_worker(model_config, url)
+    fill_random(caches, seed=seed)
+    batch = BlockStoreBatch("s", tuple(hashes), tuple(range(n)), (0,) * n, event_id=9)
+    step(src, UMBPConnectorMetadata(stores=[batch]))
+    while not src.idle():
+        time.sleep(0.01)
+    return caches
+
+
 def _staged_loader(model_config: ModelConfig, url: str, fail_call: int = 0, device: bool = True):  # type: ignore[no-untyped-def]
     """A worker that loads through staging, one connection, one object per window half,
     its copier recorded and its plane's loads timed."""
@@ -609,16 +623,7 @@ def test_a_staged_load_copies_each_window_while_later_ones_arrive(
     not after it; synchronous host copies run once, after the batch (they would hold up
     the receiving thread)."""
     hashes = [bytes([0x30 + i]) * 32 for i in range(6)]
-    src, src_caches = make_worker(model_config, redis_url)
-    fill_random(src_caches, seed=31)
-    step(
-        src,
-        UMBPConnectorMetadata(
-            stores=[BlockStoreBatch("s", tuple(hashes), tuple(range(6)), (0,) * 6, event_id=9)]
-        ),
-    )
-    while not src.idle():
-        time.sleep(0.01)
+    src_caches = stored_blocks(model_config, redis_url, hashes, seed=31)
     dst, dst_caches, rec, load_ends = _staged_loader(model_config, redis_url, device=device)
     dest = tuple(range(8, 14))
     step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", tuple(hashes), dest, (0,) * 6)]))
@@ -640,16 +645,7 @@ def test_a_failed_copy_fails_only_its_blocks_and_does_not_quarantine_them(
     model_config: ModelConfig, redis_url: str
 ) -> None:
     hashes = [bytes([0x40 + i]) * 32 for i in range(4)]
-    src, src_caches = make_worker(model_config, redis_url)
-    fill_random(src_caches, seed=41)
-    step(
-        src,
-        UMBPConnectorMetadata(
-            stores=[BlockStoreBatch("s", tuple(hashes), tuple(range(4)), (0,) * 4, event_id=9)]
-        ),
-    )
-    while not src.idle():
-        time.sleep(0.01)
+    src_caches = stored_blocks(model_config, redis_url, hashes, seed=41)
     dst, dst_caches, rec, _ = _staged_loader(model_config, redis_url, fail_call=2)
     dest = (8, 9, 10, 11)
     step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", tuple(hashes), dest, (0,) * 4)]))
