@@ -34,9 +34,6 @@ from pathlib import Path
 import numpy as np
 import redis
 
-# redis-benchmark's -r is a C int: a larger keyspace silently becomes ONE key.
-FRESH_KEYSPACE = 10**8
-
 
 def redis_benchmark(
     port: int, size: int, keyspace: int | None, tests: str, requests: int = 20000
@@ -65,7 +62,7 @@ def main() -> None:
     ap.add_argument("--inflight", default="4194304,1048576", help="max_inflight_bytes values")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from umbp_redis.ops.bench_dataplane import FINGERPRINT
+    from umbp_redis.ops.bench_dataplane import FINGERPRINT, FRESH_KEYSPACE
     from umbp_redis.ops.embedded_redis import EmbeddedRedis
     from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
     from umbp_redis.store.settings import RedisSettings

@@ -507,6 +507,7 @@ class UMBPWorker:
             if targets is None or copier is None:
                 failed = {p.block_id for p in plans}
                 return
+            early: ScatterAsLoaded | None = None  # copies started as windows arrive
             if slots is not None:
                 # Through staging: copies of valid values; with an asynchronous copier
                 # each window's start as soon as it is received (see scatter_as_loaded).
@@ -517,14 +518,16 @@ class UMBPWorker:
                     after,
                     lambda: self._is_cancelled(batch.request_id),
                 )
-            statuses: list[LoadStatus] = [LoadStatus.ERROR] * len(plans)
-            for fp, idx in _by_fingerprint(plans).items():
-                items = [(plans[i].key, targets[i]) for i in idx]
                 overlap = self.scatter_as_loaded
                 if overlap is None:
                     overlap = after is not None  # engine_point is None: synchronous copies
-                early = _positions(scatters, idx) if overlap else None
-                res = self.plane.load(items, fp, deadline=deadline, on_loaded=early)
+                early = scatters if overlap else None
+            statuses: list[LoadStatus] = [LoadStatus.ERROR] * len(plans)
+            for fp, idx in _by_fingerprint(plans).items():
+                items = [(plans[i].key, targets[i]) for i in idx]
+                res = self.plane.load(
+                    items, fp, deadline=deadline, on_loaded=_positions(early, idx)
+                )
                 for i, s in zip(idx, res, strict=True):
                     statuses[i] = s
             copy_failed: set[int] = set()

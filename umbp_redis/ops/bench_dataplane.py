@@ -58,7 +58,7 @@ def _best(fn: Callable[[], float], repeats: int) -> float:
 
 
 # redis-benchmark's -r is a C int: a larger keyspace silently becomes ONE key.
-_FRESH_KEYSPACE = 10**8
+FRESH_KEYSPACE = 10**8
 
 
 def _redis_benchmark_args(exe: str, settings: RedisSettings) -> list[str]:
@@ -110,7 +110,7 @@ def redis_benchmark_gbps(settings: RedisSettings, size: int, count: int) -> dict
             [
                 *args,
                 "-r",
-                str(_FRESH_KEYSPACE),
+                str(FRESH_KEYSPACE),
                 "-n",
                 str(count),
                 "-x",
@@ -123,13 +123,7 @@ def redis_benchmark_gbps(settings: RedisSettings, size: int, count: int) -> dict
         ).stdout.decode()
         set_rate = _requests_per_second(out)
         _delete(r, _own_keys(r, f"{prefix}:s:*"))
-        keys = [f"{prefix}:g:{i:012d}" for i in range(count)]  # __rand_int__'s 12 digits
-        batch = max(1, (32 << 20) // size)
-        for i in range(0, count, batch):
-            p = r.pipeline(transaction=False)
-            for k in keys[i : i + batch]:
-                p.set(k, value)
-            p.execute()
+        _set_pipelined(r, [f"{prefix}:g:{i:012d}" for i in range(count)], value)  # 12 digits
         out = subprocess.run(
             [*args, "-r", str(count), "-n", str(2 * count), "GET", f"{prefix}:g:__rand_int__"],
             capture_output=True,
@@ -161,6 +155,16 @@ def _redispy_client(settings: RedisSettings) -> Any:
     )
 
 
+def _set_pipelined(r: Any, keys: list[str], value: bytes) -> None:
+    """SET every key to ``value`` with redis-py pipelines of about 32 MiB."""
+    batch = max(1, (32 << 20) // len(value))
+    for i in range(0, len(keys), batch):
+        p = r.pipeline(transaction=False)
+        for k in keys[i : i + batch]:
+            p.set(k, value)
+        p.execute()
+
+
 def redispy_gbps(settings: RedisSettings, size: int, count: int, repeats: int) -> dict[str, float]:
     """Pipelined SET and GET GB/s of plain redis-py (hiredis) at ``size`` bytes."""
     r = _redispy_client(settings)
@@ -170,11 +174,7 @@ def redispy_gbps(settings: RedisSettings, size: int, count: int, repeats: int) -
 
     def do_set() -> float:
         t0 = time.perf_counter()
-        for i in range(0, count, batch):
-            p = r.pipeline(transaction=False)
-            for k in keys[i : i + batch]:
-                p.set(k, value)
-            p.execute()
+        _set_pipelined(r, keys, value)
         return time.perf_counter() - t0
 
     def do_get() -> float:
