@@ -15,7 +15,8 @@ load time, from the worker's counters) against ``umbp_gbps`` of the data-plane
 benchmark on 2 MiB objects in the same run (goal >= 0.8x).
 
 Usage: .venv/bin/python benchmarks/warm_ttft_bench.py [--prompts 3] [--words 3000] [--reps 5]
-       [--compare {staging,staging-batch,python-gil,no-idle-wait,async,sync}] [--busy N]
+       [--compare {staging,staging-batch,python-gil,no-idle-wait,async,sync,inherit}]
+       [--busy N] [--bind {vllm,none}]
 
 ``--compare staging-batch`` makes ``redis`` load through staging too (copying each
 window into the engine as it arrives) and the third engine copy after the whole batch.
@@ -42,6 +43,22 @@ MODEL = {
     "max_position_embeddings": 4096,
 }
 OBJECT_BYTES = 8 * 2 * 4 * 64 * 128 * 4  # layers x (K, V) x heads x head size x tokens x fp32
+RESERVED_CPUS = 1
+ENGINE_ENV: dict[str, str] = {}  # set by main: the OpenMP binding of every engine
+
+
+def vllm_omp_binding(reserved: int) -> dict[str, str]:
+    """The OpenMP binding vLLM's multiprocess executor gives a single CPU worker with
+    ``reserved`` cores kept free (the last ones): the engines here run in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where vLLM binds nothing and torch would use
+    every core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    omp = cpus[:-reserved] if len(cpus) > reserved else cpus
+    return {
+        "OMP_NUM_THREADS": str(len(omp)),
+        "OMP_PLACES": "{" + ",".join(map(str, omp)) + "}",
+        "OMP_PROC_BIND": "true",
+    }
 
 
 def serve(spec: dict[str, Any]) -> None:
@@ -169,7 +186,12 @@ class Engine:
                 "extra": extra or {},
             }
         )
-        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **ENGINE_ENV,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(RESERVED_CPUS),
+            "PYTHONUNBUFFERED": "1",
+        }
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", spec],
             stdin=subprocess.PIPE,
@@ -213,7 +235,16 @@ def main() -> None:
     ap.add_argument("--work", default=".umbp-bench-cache")
     ap.add_argument(
         "--compare",
-        choices=("none", "staging", "staging-batch", "python-gil", "no-idle-wait", "async", "sync"),
+        choices=(
+            "none",
+            "staging",
+            "staging-batch",
+            "python-gil",
+            "no-idle-wait",
+            "async",
+            "sync",
+            "inherit",
+        ),
         default="none",
         help="also run a third engine: one that loads through staging and scatter (the "
         "path before loads received straight into host KV caches), or one that leaves "
@@ -221,7 +252,16 @@ def main() -> None:
         "scheduler never waits in idle steps (idle_wait_ms: 0), or one that loads every "
         "hit async (load_async: true) or sync (false) where the default (auto) chooses "
         "by size; staging-batch: redis loads through staging copying each window as it "
-        "arrives, the third engine through staging copying after the whole batch",
+        "arrives, the third engine through staging copying after the whole batch; inherit: "
+        "transfer threads stay on the CPUs they start on (transfer_cpus: inherit)",
+    )
+    ap.add_argument(
+        "--bind",
+        choices=("vllm", "none"),
+        default="vllm",
+        help="vllm (default): every engine's OpenMP threads bound as vLLM's multiprocess "
+        "executor binds a worker's with one reserved core; none: torch's own threads on "
+        "every core (what runs 1-6 and part 1's runs in docs/performance.md had)",
     )
     ap.add_argument(
         "--busy",
@@ -235,6 +275,9 @@ def main() -> None:
     if args.serve:
         serve(json.loads(args.serve))
         return
+    if args.bind == "vllm":
+        ENGINE_ENV.update(vllm_omp_binding(RESERVED_CPUS))
+    print(f"engine OpenMP binding: {ENGINE_ENV or 'none (torch threads on every core)'}")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from umbp_redis.ops.bench_dataplane import umbp_gbps
     from umbp_redis.ops.embedded_redis import EmbeddedRedis
@@ -269,6 +312,10 @@ def main() -> None:
         elif args.compare in ("async", "sync"):
             mode = {"load_async": args.compare == "async"}
             staged = Engine(model, server.url, work / "other.log", extra=mode)
+        elif args.compare == "inherit":
+            staged = Engine(
+                model, server.url, work / "other.log", extra={"transfer_cpus": "inherit"}
+            )
         local.ready()
         redis.ready()
         if staged is not None:

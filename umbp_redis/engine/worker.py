@@ -51,6 +51,7 @@ from umbp_redis.store.deployment import DataPlane, shared_plane
 from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.plane import LoadStatus, StoreStatus
 from umbp_redis.store.settings import RedisSettings
+from umbp_redis.store.thread_affinity import thread_pinner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -202,8 +203,10 @@ class UMBPWorker:
         self.plane: DataPlane = plane or shared_plane(RedisSettings.from_options(options))
         self.stats = WorkerStats()
         self._seen_counters: dict[str, int] = {}
-        self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load")
-        self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store")
+        # Off the forward pass's cores where vLLM binds them (transfer_cpus).
+        pin = thread_pinner(str(options["transfer_cpus"]))
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load", initializer=pin)
+        self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store", initializer=pin)
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()

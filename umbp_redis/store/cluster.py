@@ -49,6 +49,7 @@ from umbp_redis.store.slots import (
     parse_cluster_shards,
     parse_cluster_slots,
 )
+from umbp_redis.store.thread_affinity import thread_pinner
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", StoreStatus, LoadStatus)
@@ -156,7 +157,11 @@ class ClusterDataPlane:
         # of them, it is re-read every refresh gap, so a promoted replica is found
         # without waiting for traffic.
         self._suspects: dict[Address, float] = {}
-        self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="umbp-redis-node")
+        self._executor = ThreadPoolExecutor(
+            max_workers=32,
+            thread_name_prefix="umbp-redis-node",
+            initializer=thread_pinner(settings.transfer_cpus),
+        )
         if slot_map is None:
             self.refresh_map("startup")
         else:

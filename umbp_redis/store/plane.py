@@ -44,6 +44,7 @@ from umbp_redis.store.errors import (
 )
 from umbp_redis.store.resp import Buffer, ErrorReply, bulk_prefix, encode_command, send_buffers
 from umbp_redis.store.settings import RedisSettings
+from umbp_redis.store.thread_affinity import thread_pinner
 from umbp_redis.store.value_format import (
     HEADER_SIZE,
     InvalidValue,
@@ -362,6 +363,7 @@ class RedisDataPlane:
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, settings.transfer_connections - 1),
             thread_name_prefix="umbp-redis-io",
+            initializer=thread_pinner(settings.transfer_cpus),
         )
         self._ttl = str(int(settings.ttl_seconds)).encode()
         self._unexpected_logged = False

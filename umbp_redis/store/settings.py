@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from umbp_redis.store.errors import ConfigError
+from umbp_redis.store.thread_affinity import validate_transfer_cpus
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,16 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0.0,
     ),
     Option(
+        "transfer_cpus",
+        str,
+        "auto",
+        "CPUs the transfer threads run on. vLLM's CPU workers bind their OpenMP threads "
+        "to some cores and reserve the rest; threads started by the worker inherit that "
+        "binding and would share the forward pass's cores. auto: the CPUs the OpenMP "
+        "binding (OMP_PLACES, GOMP_CPU_AFFINITY or KMP_AFFINITY) leaves free, no change "
+        "without one; inherit: no change; or a list such as 0,2-3.",
+    ),
+    Option(
         "store_mode",
         str,
         "eager",
@@ -355,6 +366,7 @@ class RedisSettings:
     cluster: str = "auto"  # "auto", "on" or "off"
     cluster_seed_nodes: tuple[tuple[str, int], ...] = ()
     cluster_refresh_s: float = OPTIONS_BY_NAME["cluster_refresh_s"].default
+    transfer_cpus: str = OPTIONS_BY_NAME["transfer_cpus"].default
 
     @property
     def tls(self) -> bool:
@@ -398,6 +410,7 @@ class RedisSettings:
             opts["cluster"], "auto"
         )
         seeds = parse_seed_nodes(opts["cluster_seed_nodes"])
+        validate_transfer_cpus(opts["transfer_cpus"])
         if cluster == "on" and parsed.db != 0:
             raise ConfigError(
                 f"kv_connector_extra_config['redis_url'] selects database {parsed.db}, but "

@@ -1,0 +1,124 @@
+"""Transfer threads off the CPUs vLLM binds its OpenMP threads to (``transfer_cpus``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from umbp_redis.store import thread_affinity
+from umbp_redis.store.errors import ConfigError
+from umbp_redis.store.plane import LoadStatus, RedisDataPlane
+from umbp_redis.store.settings import RedisSettings
+from umbp_redis.store.thread_affinity import (
+    ThreadPinner,
+    omp_bound_cpus,
+    parse_cpu_list,
+    transfer_cpu_set,
+)
+
+FP = b"\x05" * 16
+
+
+def test_cpu_lists_parse_and_bad_ones_name_the_option() -> None:
+    assert parse_cpu_list("0,2-3") == {0, 2, 3}
+    assert parse_cpu_list("5") == {5}
+    for bad in ("", "a", "3-1", "1-"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
+    for ok in ("auto", "inherit", "0-1"):
+        assert RedisSettings.from_options({"transfer_cpus": ok}).transfer_cpus == ok
+    with pytest.raises(ConfigError, match=r"\['transfer_cpus'\] must be 'auto', 'inherit'"):
+        RedisSettings.from_options({"transfer_cpus": "cores"})
+
+
+def test_the_openmp_binding_is_read_as_vllm_writes_it() -> None:
+    # vLLM's CPU executor: OMP_PLACES + OMP_PROC_BIND (libgomp without LD_PRELOAD),
+    # GOMP_CPU_AFFINITY (libgomp preloaded) or KMP_AFFINITY (Intel OpenMP).
+    assert omp_bound_cpus({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}) == {0, 1, 2}
+    assert omp_bound_cpus({"GOMP_CPU_AFFINITY": "4 5 6"}) == {4, 5, 6}
+    kmp = "granularity=fine,explicit,proclist=[2,3]"
+    assert omp_bound_cpus({"KMP_AFFINITY": kmp}) == {2, 3}
+    # No binding, places without binding, or a form it does not read: none known.
+    for env in (
+        {},
+        {"OMP_PLACES": "{0}"},
+        {"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"},
+        {"OMP_PLACES": "{0}:4", "OMP_PROC_BIND": "close"},
+    ):
+        assert omp_bound_cpus(env) is None
+
+
+def test_auto_takes_the_cpus_the_binding_leaves_free() -> None:
+    bound = {"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}
+    assert transfer_cpu_set("auto", bound, 4) == {2, 3}
+    assert transfer_cpu_set("auto", bound, 2) is None  # nothing left: stay
+    assert transfer_cpu_set("auto", {}, 4) is None  # no binding: stay
+    assert transfer_cpu_set("inherit", bound, 4) is None
+    assert transfer_cpu_set("1,3", {}, 4) == {1, 3}
+
+
+def _allowed(native_id: int) -> set[int]:
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+    return set(parse_cpu_list(line.split(":", 1)[1].strip()))
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux thread affinity and at least 2 CPUs (one bound, one free)",
+)
+@pytest.mark.parametrize("spec", ["auto", "inherit"])
+def test_transfer_threads_leave_the_forward_pass_cpu(
+    spec: str, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread bound like vLLM's worker thread (one CPU, named by OMP_PLACES) starts
+    the data plane's transfer threads: with auto they run on the other CPUs, with
+    inherit on the bound one; loads work either way."""
+    cpus = sorted(os.sched_getaffinity(0))
+    forward_cpu, rest = cpus[0], set(cpus[1:])
+    monkeypatch.setenv("OMP_PLACES", f"{{{forward_cpu}}}")
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    monkeypatch.setattr(thread_affinity, "_pinners", {})
+    n, size = 8, 1 << 20
+    data = np.random.default_rng(3).integers(0, 256, (n, size), dtype=np.uint8)
+    keys = [f"umbp:test:affinity:{spec}:{i}" for i in range(n)]
+    seen: dict[str, set[int]] = {}
+
+    def bound_worker() -> None:
+        os.sched_setaffinity(0, {forward_cpu})
+        plane = RedisDataPlane(
+            RedisSettings.from_url(redis_url, transfer_connections=3, transfer_cpus=spec)
+        )
+        try:
+            plane.store([(k, data[i]) for i, k in enumerate(keys)], FP)
+            out = np.zeros_like(data)
+            res = plane.load([(k, out[i]) for i, k in enumerate(keys)], FP)
+            seen["ok"] = {int(all(s is LoadStatus.LOADED for s in res) and (out == data).all())}
+            for t in plane._executor._threads:  # this plane's transfer threads
+                assert t.native_id is not None
+                seen[t.name] = _allowed(t.native_id)
+        finally:
+            plane.close()
+
+    t = threading.Thread(target=bound_worker)
+    t.start()
+    t.join()
+    assert seen.pop("ok") == {1}
+    assert seen, "the load fanned out to no transfer thread"
+    want = rest if spec == "auto" else {forward_cpu}
+    assert all(allowed == want for allowed in seen.values()), seen
+
+
+def test_a_refused_cpu_set_leaves_the_thread_and_logs_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pin = ThreadPinner("100000")  # no such CPU: the kernel refuses the mask
+    before = os.sched_getaffinity(0)
+    pin()
+    pin()
+    assert os.sched_getaffinity(0) == before
+    assert sum("cannot move transfer threads" in r.message for r in caplog.records) == 1

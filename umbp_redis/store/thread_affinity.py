@@ -1,0 +1,144 @@
+"""Which CPUs the transfer threads run on (option ``transfer_cpus``).
+
+vLLM's CPU workers bind their OpenMP threads to a set of cores (``OMP_PLACES``,
+``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY``) and leave the others reserved for the engine
+loop and helpers. A thread started by the worker's main thread inherits its binding, so
+transfer threads would share the forward pass's cores while the reserved ones idle.
+``auto`` moves them to the CPUs the OpenMP binding does not name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+
+from umbp_redis.store.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+INHERIT = "inherit"
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPU ids of a list such as ``"0,2-3"`` (ValueError when it is not one)."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", ",").split(","):
+        if not part:
+            continue
+        m = _RANGE.match(part)
+        if m is None:
+            raise ValueError(f"not a CPU id or range: {part!r}")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise ValueError(f"empty CPU range: {part!r}")
+        cpus.update(range(lo, hi + 1))
+    if not cpus:
+        raise ValueError("no CPU named")
+    return frozenset(cpus)
+
+
+def validate_transfer_cpus(value: str) -> str:
+    """``value`` when it is ``auto``, ``inherit`` or a CPU list; else ``ConfigError``."""
+    if value in (AUTO, INHERIT):
+        return value
+    try:
+        parse_cpu_list(value)
+    except ValueError as e:
+        raise ConfigError(
+            "kv_connector_extra_config['transfer_cpus'] must be 'auto', 'inherit' or a CPU "
+            f"list such as '0,2-3', got {value!r} ({e})"
+        ) from None
+    return value
+
+
+def omp_bound_cpus(environ: Mapping[str, str]) -> frozenset[int] | None:
+    """CPUs the process's OpenMP threads are bound to, as vLLM's CPU executor sets them
+    (``OMP_PLACES`` with ``OMP_PROC_BIND``, ``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY``
+    with a ``proclist``); None when no binding is named or it cannot be read."""
+    try:
+        places = environ.get("OMP_PLACES", "")
+        bind = environ.get("OMP_PROC_BIND", "").lower()
+        if places and bind not in ("", "false"):
+            if "{" not in places or ":" in places:  # abstract names, interval notation
+                return None
+            return parse_cpu_list(re.sub(r"[{}]", ",", places))
+        gomp = environ.get("GOMP_CPU_AFFINITY", "")
+        if gomp:
+            return parse_cpu_list(gomp)
+        kmp = re.search(r"proclist=\[([^\]]*)\]", environ.get("KMP_AFFINITY", ""))
+        if kmp:
+            return parse_cpu_list(kmp.group(1))
+    except ValueError:
+        return None
+    return None
+
+
+def transfer_cpu_set(
+    spec: str, environ: Mapping[str, str], cpu_count: int
+) -> frozenset[int] | None:
+    """The CPUs transfer threads are moved to for option value ``spec``; None leaves
+    them where they start (``inherit``, or ``auto`` without an OpenMP binding or with
+    one that names every CPU)."""
+    if spec == INHERIT:
+        return None
+    if spec != AUTO:
+        return parse_cpu_list(spec)
+    bound = omp_bound_cpus(environ)
+    if bound is None:
+        return None
+    rest = frozenset(range(cpu_count)) - bound
+    return rest or None
+
+
+class ThreadPinner:
+    """Moves the calling thread to the CPUs of ``transfer_cpus`` (a ``ThreadPoolExecutor``
+    initializer); a refusal (CPUs outside the process's cpuset) is logged once and the
+    thread stays where it is."""
+
+    def __init__(self, spec: str, environ: Mapping[str, str] | None = None) -> None:
+        self.spec = spec
+        env = os.environ if environ is None else environ
+        self.cpus = transfer_cpu_set(spec, env, os.cpu_count() or 1)
+        self._warned = False
+        self._logged = False
+
+    def __call__(self) -> None:
+        """Pin the calling thread (never raises)."""
+        if self.cpus is None or not hasattr(os, "sched_setaffinity"):
+            return
+        try:
+            os.sched_setaffinity(0, self.cpus)
+        except OSError as e:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "umbp-redis: cannot move transfer threads to CPUs %s (transfer_cpus=%r): "
+                    "%s; they share the CPUs they started on",
+                    sorted(self.cpus),
+                    self.spec,
+                    e,
+                )
+            return
+        if not self._logged:
+            self._logged = True
+            log.info(
+                "umbp-redis: transfer threads run on CPUs %s (transfer_cpus=%r)",
+                sorted(os.sched_getaffinity(0)),
+                self.spec,
+            )
+
+
+_pinners: dict[str, ThreadPinner] = {}
+
+
+def thread_pinner(spec: str) -> ThreadPinner:
+    """The process's pinner for ``spec`` (one per value, so each logs once)."""
+    if spec not in _pinners:
+        _pinners[spec] = ThreadPinner(spec)
+    return _pinners[spec]
