@@ -53,12 +53,36 @@ def test_the_openmp_binding_is_read_as_vllm_writes_it() -> None:
 
 
 def test_auto_takes_the_cpus_the_binding_leaves_free() -> None:
+    def one_node(cpu: int) -> int:
+        return 0
+
     bound = {"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}
-    assert transfer_cpu_set("auto", bound, 4) == {2, 3}
-    assert transfer_cpu_set("auto", bound, 2) is None  # nothing left: stay
-    assert transfer_cpu_set("auto", {}, 4) is None  # no binding: stay
-    assert transfer_cpu_set("inherit", bound, 4) is None
-    assert transfer_cpu_set("1,3", {}, 4) == {1, 3}
+    assert transfer_cpu_set("auto", bound, 4, one_node) == {2, 3}
+    assert transfer_cpu_set("auto", bound, 2, one_node) is None  # nothing left: stay
+    assert transfer_cpu_set("auto", {}, 4, one_node) is None  # no binding: stay
+    assert transfer_cpu_set("inherit", bound, 4, one_node) is None
+    assert transfer_cpu_set("1,3", {}, 4, one_node) == {1, 3}
+
+
+def test_auto_never_takes_another_ranks_cpus() -> None:
+    """TP=2 with explicit lists: rank 0's free CPUs exclude rank 1's list; on 2 cores
+    ("0|1") nothing is free and the threads stay."""
+
+    def one_node(cpu: int) -> int:
+        return 0
+
+    rank0 = {"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}
+    explicit = {**rank0, "VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
+    assert transfer_cpu_set("auto", explicit, 6, one_node) == {4, 5}
+    two_cores = {"OMP_PLACES": "{0}", "OMP_PROC_BIND": "true", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    assert transfer_cpu_set("auto", two_cores, 2, one_node) is None
+
+    # vLLM's automatic binding gives each rank a NUMA node: only this rank's node counts.
+    def two_nodes(cpu: int) -> int:
+        return cpu // 4
+
+    rank1 = {"OMP_PLACES": "{4,5,6}", "OMP_PROC_BIND": "true", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    assert transfer_cpu_set("auto", rank1, 8, two_nodes) == {7}
 
 
 def _allowed(native_id: int) -> set[int]:

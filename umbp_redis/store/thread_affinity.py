@@ -9,10 +9,11 @@ transfer threads would share the forward pass's cores while the reserved ones id
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from umbp_redis.store.errors import ConfigError
 
@@ -79,12 +80,39 @@ def omp_bound_cpus(environ: Mapping[str, str]) -> frozenset[int] | None:
     return None
 
 
+def vllm_bound_cpus(environ: Mapping[str, str]) -> frozenset[int]:
+    """Every CPU an explicit ``VLLM_CPU_OMP_THREADS_BIND`` gives to some rank (lists
+    separated by ``|``, one per local rank); empty for ``auto``, ``nobind`` or unset."""
+    spec = environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if spec in ("", "auto", "nobind"):
+        return frozenset()
+    try:
+        return frozenset().union(*(parse_cpu_list(part) for part in spec.split("|")))
+    except ValueError:
+        return frozenset()
+
+
+def numa_node(cpu: int) -> int:
+    """The NUMA node of ``cpu`` as sysfs names it (0 where it names none)."""
+    for entry in glob.glob(f"/sys/devices/system/cpu/cpu{cpu}/node[0-9]*"):
+        return int(os.path.basename(entry)[4:])
+    return 0
+
+
 def transfer_cpu_set(
-    spec: str, environ: Mapping[str, str], cpu_count: int
+    spec: str,
+    environ: Mapping[str, str],
+    cpu_count: int,
+    node_of: Callable[[int], int] = numa_node,
 ) -> frozenset[int] | None:
     """The CPUs transfer threads are moved to for option value ``spec``; None leaves
-    them where they start (``inherit``, or ``auto`` without an OpenMP binding or with
-    one that names every CPU)."""
+    them where they start.
+
+    ``auto``: the CPUs on the NUMA nodes of this process's OpenMP binding that neither
+    it nor any other rank's explicit ``VLLM_CPU_OMP_THREADS_BIND`` list names (vLLM's
+    automatic binding gives each rank its own node and reserves that node's last
+    cores); None without a binding or when nothing is left. ``inherit``: None.
+    """
     if spec == INHERIT:
         return None
     if spec != AUTO:
@@ -92,7 +120,9 @@ def transfer_cpu_set(
     bound = omp_bound_cpus(environ)
     if bound is None:
         return None
-    rest = frozenset(range(cpu_count)) - bound
+    nodes = {node_of(c) for c in bound}
+    taken = bound | vllm_bound_cpus(environ)
+    rest = frozenset(c for c in range(cpu_count) if c not in taken and node_of(c) in nodes)
     return rest or None
 
 
