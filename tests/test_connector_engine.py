@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,11 +206,21 @@ def test_fresh_engine_loads_prefix_and_survives_bad_values_and_outages(
         tiny_model,
         connector(url),
         phases,
-        env={"VLLM_LOG_STATS_INTERVAL": "0.5"},
+        # One reserved core (vLLM reserves two with a connector, all of this machine's):
+        # the worker's OpenMP threads are bound, and the transfer threads leave them.
+        env={"VLLM_LOG_STATS_INTERVAL": "0.5", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
         engine_args={"disable_log_stats": False},
     )
+    log = (work / "warm.log").read_text()
     # The connector's counters appear in vLLM's periodic log.
-    assert "KV Transfer metrics: blocks_loaded=" in (work / "warm.log").read_text()
+    assert "KV Transfer metrics: blocks_loaded=" in log
+    # transfer_cpus auto: off the CPUs vLLM bound the worker's OpenMP threads to.
+    bound = re.search(r"local_rank=0, core ids=\[([0-9, ]+)\]", log)
+    moved = re.search(r"transfer threads run on CPUs \[([0-9, ]+)\]", log)
+    assert bound is not None and moved is not None, log[-3000:]
+    omp = {int(c) for c in bound.group(1).split(",")}
+    transfer = {int(c) for c in moved.group(1).split(",")}
+    assert transfer and not transfer & omp
     expected = tokens(baseline)
     for phase in ("warm", "after_corrupt", "after_delete", "redis_down", "redis_back"):
         assert tokens(res[phase]) == expected, phase

@@ -33,6 +33,8 @@ def test_cpu_lists_parse_and_bad_ones_name_the_option() -> None:
         assert RedisSettings.from_options({"transfer_cpus": ok}).transfer_cpus == ok
     with pytest.raises(ConfigError, match=r"\['transfer_cpus'\] must be 'auto', 'inherit'"):
         RedisSettings.from_options({"transfer_cpus": "cores"})
+    with pytest.raises(ConfigError, match="transfer_cpus"):
+        ThreadPinner("0-x")
 
 
 def test_the_openmp_binding_is_read_as_vllm_writes_it() -> None:

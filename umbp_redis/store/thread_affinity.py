@@ -4,7 +4,8 @@ vLLM's CPU workers bind their OpenMP threads to a set of cores (``OMP_PLACES``,
 ``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY``) and leave the others reserved for the engine
 loop and helpers. A thread started by the worker's main thread inherits its binding, so
 transfer threads would share the forward pass's cores while the reserved ones idle.
-``auto`` moves them to the CPUs the OpenMP binding does not name.
+``auto`` moves them to the CPUs of the worker's NUMA node that no rank's OpenMP binding
+names.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class ThreadPinner:
     thread stays where it is."""
 
     def __init__(self, spec: str, environ: Mapping[str, str] | None = None) -> None:
-        self.spec = spec
+        self.spec = validate_transfer_cpus(spec)
         env = os.environ if environ is None else environ
         self.cpus = transfer_cpu_set(spec, env, os.cpu_count() or 1)
         self._warned = False
