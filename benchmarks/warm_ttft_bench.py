@@ -4,8 +4,11 @@ vLLM's own local prefix cache, and the engine's load rate against the data plane
 Two vLLM CPU engines run side by side (one process each, alive together, driven in turn
 so the machine's drift hits both): ``local`` without the connector, its prefix cache
 warm; ``redis`` with the connector, its local prefix cache reset before every prompt so
-the prefix comes from Redis. Both get the same ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (vLLM
-reserves one more core when a connector is configured). The model is random and
+the prefix comes from Redis. Each runs its worker in its own process, where vLLM binds no
+OpenMP threads, so the bench binds them as vLLM's multiprocess executor would with one
+reserved core (``--bind vllm``, the default: every core but the last), the same for
+every engine (vLLM would reserve one more core for the engine with a connector, none
+left on 2 cores). The model is random and
 prefill-bound: Llama, hidden 1024, 8 layers, 4 KV heads of 64, fp32, so an object (one
 block of 128 tokens, every layer) is 2 MiB.
 
