@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_worker_emulation import (  # noqa: E402
+    LAYERS,
+    bind_like_vllm,
+    forward_layers,
+    initial_hidden,
+    redis_on,
+)
 
 OBJECTS, SIZE = 23, 2 << 20
 
@@ -34,72 +42,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        sys.exit("needs at least 2 CPUs (one for the forward pass, one reserved)")
-    forward_cpu, reserved = cpus[0], cpus[1:]
-    if os.environ.get("OMP_PLACES") != f"{{{forward_cpu}}}":
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "OMP_PLACES": f"{{{forward_cpu}}}",
-            "OMP_PROC_BIND": "true",
-        }
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import torch
-
-    from umbp_redis.ops.embedded_redis import find_redis_server, free_port
+    forward_cpu, reserved = bind_like_vllm()
     from umbp_redis.store.plane import LoadStatus, RedisDataPlane
     from umbp_redis.store.settings import RedisSettings
     from umbp_redis.store.thread_affinity import ThreadPinner
 
-    port = free_port()
-    server = subprocess.Popen(
-        [find_redis_server(), "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        preexec_fn=lambda: os.sched_setaffinity(0, reserved),
-    )
-    try:
-        for _ in range(100):  # until the server accepts connections
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        plane = RedisDataPlane(
-            RedisSettings.from_url(f"redis://127.0.0.1:{port}/0", transfer_connections=1)
-        )
+    layer, x0 = forward_layers(), initial_hidden()
+
+    def forward() -> float:
+        start = time.perf_counter()
+        x = x0
+        for j in range(LAYERS):
+            x = layer(j, x)
+        return time.perf_counter() - start
+
+    with redis_on(reserved) as url:
+        plane = RedisDataPlane(RedisSettings.from_url(url, transfer_connections=1))
         fp = b"\x01" * 16
         payload = bytearray(os.urandom(SIZE))
         keys = [f"bench:cpus:{i}" for i in range(OBJECTS)]
         plane.store([(k, payload) for k in keys], fp)
         dst = [bytearray(SIZE) for _ in range(OBJECTS)]
-
-        torch.manual_seed(0)
-        h, inter, t, ctx = 1024, 2816, 56, 3000
-        layers = [
-            (
-                torch.randn(h, 1536) / 32,
-                torch.randn(h, h) / 32,
-                torch.randn(h, 2 * inter) / 32,
-                torch.randn(inter, h) / 32,
-            )
-            for _ in range(8)
-        ]
-        k_cache, v_cache = torch.randn(1, 16, ctx, 64), torch.randn(1, 16, ctx, 64)
-        x0 = torch.randn(t, h)
-
-        def forward() -> float:
-            start = time.perf_counter()
-            x = x0
-            for wqkv, wo, wup, wdown in layers:
-                q = (x @ wqkv)[:, :h].reshape(1, t, 16, 64).transpose(1, 2)
-                a = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache)
-                x = x + a.transpose(1, 2).reshape(t, h) @ wo
-                g = x @ wup
-                x = x + (torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]) @ wdown
-            return time.perf_counter() - start
 
         def loads() -> float:
             start = time.perf_counter()
@@ -128,9 +91,6 @@ def main() -> None:
                 f"({med(loaded) / med(alone):.2f}x); loads {med(rates):.2f} GB/s"
             )
         plane.close()
-    finally:
-        server.terminate()
-        server.wait()
 
 
 if __name__ == "__main__":
