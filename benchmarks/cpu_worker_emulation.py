@@ -8,14 +8,19 @@ in ``warm_ttft_bench.py``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # umbp_redis
 
 LAYERS, HIDDEN, INTER, NEW_TOKENS, PREFIX = 8, 1024, 2816, 56, 3000
 
@@ -37,6 +42,15 @@ def bind_like_vllm() -> tuple[int, list[int]]:
         }
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     return forward_cpu, reserved
+
+
+def start(doc: str) -> tuple[argparse.Namespace, int, list[int]]:
+    """Parse ``--reps`` (default 7) and bind as ``bind_like_vllm``: (args, forward CPU,
+    reserved CPUs)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    return (args, *bind_like_vllm())
 
 
 @contextmanager
@@ -97,3 +111,19 @@ def initial_hidden() -> Any:
     import torch
 
     return torch.randn(NEW_TOKENS, HIDDEN)
+
+
+class Forward:
+    """The forward-like loop, timed; with ``ready``, layer j first waits for its event."""
+
+    def __init__(self) -> None:
+        self.layer, self.x0 = forward_layers(), initial_hidden()
+
+    def __call__(self, ready: list[threading.Event] | None = None) -> float:
+        start = time.perf_counter()
+        x = self.x0
+        for j in range(LAYERS):
+            if ready is not None:
+                ready[j].wait()
+            x = self.layer(j, x)
+        return time.perf_counter() - start

@@ -21,7 +21,6 @@ Usage: .venv/bin/python benchmarks/layered_load_projection.py [--reps 7]
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -31,27 +30,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_worker_emulation import (  # noqa: E402
-    LAYERS,
-    bind_like_vllm,
-    forward_layers,
-    initial_hidden,
-    redis_on,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_worker_emulation
+from cpu_worker_emulation import LAYERS, Forward, redis_on, start  # noqa: E402
 
 BLOCKS, PART = 23, 256 << 10
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=7)
-    args = ap.parse_args()
-    forward_cpu, reserved = bind_like_vllm()
+    args, forward_cpu, reserved = start(__doc__ or "")
     import redis
 
-    layer, x0 = forward_layers(), initial_hidden()
+    forward = Forward()
     dst = [[bytearray(PART) for _ in range(LAYERS)] for _ in range(BLOCKS)]
 
     with redis_on(reserved) as url:
@@ -67,13 +56,6 @@ def main() -> None:
             for i, value in enumerate(pipe.execute()):
                 assert value is not None and len(value) == PART
                 dst[i][j][:] = value
-
-        def forward(ready: list[threading.Event] | None = None) -> None:
-            x = x0
-            for j in range(LAYERS):
-                if ready is not None:
-                    ready[j].wait()
-                x = layer(j, x)
 
         def load_then_forward() -> None:
             for j in range(LAYERS):

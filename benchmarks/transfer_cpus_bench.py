@@ -17,7 +17,6 @@ Usage: .venv/bin/python benchmarks/transfer_cpus_bench.py [--reps 7]
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -25,36 +24,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_worker_emulation import (  # noqa: E402
-    LAYERS,
-    bind_like_vllm,
-    forward_layers,
-    initial_hidden,
-    redis_on,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_worker_emulation
+from cpu_worker_emulation import Forward, redis_on, start  # noqa: E402
 
 OBJECTS, SIZE = 23, 2 << 20
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=7)
-    args = ap.parse_args()
-    forward_cpu, reserved = bind_like_vllm()
+    args, forward_cpu, reserved = start(__doc__ or "")
     from umbp_redis.store.plane import LoadStatus, RedisDataPlane
     from umbp_redis.store.settings import RedisSettings
     from umbp_redis.store.thread_affinity import ThreadPinner
 
-    layer, x0 = forward_layers(), initial_hidden()
-
-    def forward() -> float:
-        start = time.perf_counter()
-        x = x0
-        for j in range(LAYERS):
-            x = layer(j, x)
-        return time.perf_counter() - start
+    forward = Forward()
 
     with redis_on(reserved) as url:
         plane = RedisDataPlane(RedisSettings.from_url(url, transfer_connections=1))
