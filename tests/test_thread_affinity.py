@@ -87,6 +87,22 @@ def test_auto_never_takes_another_ranks_cpus() -> None:
     assert transfer_cpu_set("auto", rank1, 8, two_nodes) == {7}
 
 
+def test_auto_prefers_whole_free_cores_to_siblings_of_bound_ones() -> None:
+    """With SMT, CPUs c and c + 4 share a core: vLLM binds one of each pair; the
+    transfer threads go to a core none of whose CPUs is bound, else to siblings."""
+
+    def one_node(cpu: int) -> int:
+        return 0
+
+    def smt(cpu: int) -> tuple[int, int]:
+        return 0, cpu % 4
+
+    bound = {"OMP_PLACES": "{4,5,6}", "OMP_PROC_BIND": "true"}
+    assert transfer_cpu_set("auto", bound, 8, one_node, smt) == {3, 7}
+    all_cores = {"OMP_PLACES": "{4,5,6,7}", "OMP_PROC_BIND": "true"}
+    assert transfer_cpu_set("auto", all_cores, 8, one_node, smt) == {0, 1, 2, 3}
+
+
 def _allowed(native_id: int) -> set[int]:
     status = Path(f"/proc/self/task/{native_id}/status").read_text()
     line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))

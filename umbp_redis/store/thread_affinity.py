@@ -100,11 +100,23 @@ def numa_node(cpu: int) -> int:
     return 0
 
 
+def physical_core(cpu: int) -> tuple[int, int]:
+    """(package, core) of ``cpu`` as sysfs names them; SMT siblings share it (the CPU's
+    own id where sysfs names none)."""
+    base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    try:
+        with open(f"{base}/physical_package_id") as pkg, open(f"{base}/core_id") as core:
+            return int(pkg.read()), int(core.read())
+    except (OSError, ValueError):
+        return -1, cpu
+
+
 def transfer_cpu_set(
     spec: str,
     environ: Mapping[str, str],
     cpu_count: int,
     node_of: Callable[[int], int] = numa_node,
+    core_of: Callable[[int], tuple[int, int]] = physical_core,
 ) -> frozenset[int] | None:
     """The CPUs transfer threads are moved to for option value ``spec``; None leaves
     them where they start.
@@ -112,7 +124,9 @@ def transfer_cpu_set(
     ``auto``: the CPUs on the NUMA nodes of this process's OpenMP binding that neither
     it nor any other rank's explicit ``VLLM_CPU_OMP_THREADS_BIND`` list names (vLLM's
     automatic binding gives each rank its own node and reserves that node's last
-    cores); None without a binding or when nothing is left. ``inherit``: None.
+    cores), those on physical cores with no bound CPU first (vLLM binds one SMT sibling
+    per core: the other shares the core's execution units); None without a binding or
+    when nothing is left. ``inherit``: None.
     """
     if spec == INHERIT:
         return None
@@ -124,7 +138,9 @@ def transfer_cpu_set(
     nodes = {node_of(c) for c in bound}
     taken = bound | vllm_bound_cpus(environ)
     rest = frozenset(c for c in range(cpu_count) if c not in taken and node_of(c) in nodes)
-    return rest or None
+    busy_cores = {core_of(c) for c in taken}
+    whole = frozenset(c for c in rest if core_of(c) not in busy_cores)
+    return whole or rest or None
 
 
 class ThreadPinner:
