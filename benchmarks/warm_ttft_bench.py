@@ -19,7 +19,7 @@ benchmark on 2 MiB objects in the same run (goal >= 0.8x).
 
 Usage: .venv/bin/python benchmarks/warm_ttft_bench.py [--prompts 3] [--words 3000] [--reps 5]
        [--compare {staging,staging-batch,python-gil,no-idle-wait,async,sync,inherit}]
-       [--busy N] [--bind {vllm,none}]
+       [--busy N] [--executor {inproc,mp}] [--bind {vllm,none}]
 
 ``--compare staging-batch`` makes ``redis`` load through staging too (copying each
 window into the engine as it arrives) and the third engine copy after the whole batch.
@@ -48,6 +48,7 @@ MODEL = {
 OBJECT_BYTES = 8 * 2 * 4 * 64 * 128 * 4  # layers x (K, V) x heads x head size x tokens x fp32
 RESERVED_CPUS = 1
 ENGINE_ENV: dict[str, str] = {}  # set by main: the OpenMP binding of every engine
+EXECUTOR = {"name": "inproc"}  # set by main: --executor
 
 
 def vllm_omp_binding(reserved: int) -> dict[str, str]:
@@ -64,9 +65,45 @@ def vllm_omp_binding(reserved: int) -> dict[str, str]:
     }
 
 
+def _setup_worker(self: Any, direct: bool, overlap: bool | None) -> None:
+    """Run in the worker process (``collective_rpc``; ``self`` is vLLM's worker): set the
+    connector worker's load path and count its load counters from now on."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker: Any = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
+    worker.direct_loads = direct
+    worker.scatter_as_loaded = overlap
+    totals: dict[str, float] = {}
+    add = worker.stats.add
+
+    def counted(**values: float) -> None:
+        for k, v in values.items():
+            totals[k] = totals.get(k, 0) + v
+        add(**values)
+
+    worker.stats.add = counted
+    worker.bench_totals = totals
+
+
+def _take_totals(self: Any) -> dict[str, float]:
+    """Run in the worker process: the load counters since the last call."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    totals: dict[str, float] = get_kv_transfer_group()._worker.bench_totals  # type: ignore[attr-defined]
+    out = dict(totals)
+    totals.clear()
+    return out
+
+
 def serve(spec: dict[str, Any]) -> None:
     """One engine; reads JSON commands on stdin, answers one JSON line each."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker is in this process
+    if spec.get("executor") == "mp":
+        # vLLM's default: engine core and worker in processes of their own, the worker's
+        # OpenMP threads bound by vLLM; the bench reaches the worker by collective_rpc.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # functions sent by rpc
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker is in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -89,21 +126,10 @@ def serve(spec: dict[str, Any]) -> None:
         max_num_batched_tokens=4096,
         **kw,
     )
-    totals: dict[str, float] = {}
     if kw:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        worker: Any = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
-        worker.direct_loads = bool(spec.get("direct", True))
-        worker.scatter_as_loaded = spec.get("scatter_as_loaded")
-        add = worker.stats.add
-
-        def counted(**values: float) -> None:
-            for k, v in values.items():
-                totals[k] = totals.get(k, 0) + v
-            add(**values)
-
-        worker.stats.add = counted
+        llm.collective_rpc(
+            _setup_worker, args=(bool(spec.get("direct", True)), spec.get("scatter_as_loaded"))
+        )
     one = SamplingParams(max_tokens=1, temperature=0.0)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -125,8 +151,7 @@ def serve(spec: dict[str, Any]) -> None:
                 time.sleep(0.05)  # blocks still pinned by stores in flight
             reply = {"ok": True}
         elif cmd["op"] == "stats":
-            reply = dict(totals)
-            totals.clear()
+            reply = llm.collective_rpc(_take_totals)[0] if kw else {}
         else:
             break
         print(json.dumps(reply), flush=True)
@@ -187,6 +212,7 @@ class Engine:
                 "direct": direct,
                 "scatter_as_loaded": overlap,
                 "extra": extra or {},
+                "executor": EXECUTOR["name"],
             }
         )
         env = {
@@ -259,12 +285,22 @@ def main() -> None:
         "transfer threads stay on the CPUs they start on (transfer_cpus: inherit)",
     )
     ap.add_argument(
+        "--executor",
+        choices=("inproc", "mp"),
+        default="inproc",
+        help="inproc (default): each engine's worker in the engine's process, reached "
+        "directly; mp: vLLM's default multiprocess executor (engine core and worker in "
+        "processes of their own, the worker's OpenMP threads bound by vLLM itself with "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU=1; --bind does not apply)",
+    )
+    ap.add_argument(
         "--bind",
         choices=("vllm", "none"),
         default="vllm",
-        help="vllm (default): every engine's OpenMP threads bound as vLLM's multiprocess "
-        "executor binds a worker's with one reserved core; none: torch's own threads on "
-        "every core (what runs 1-6 and part 1's runs in docs/performance.md had)",
+        help="with --executor inproc: vllm (default): every engine's OpenMP threads bound "
+        "as vLLM's multiprocess executor binds a worker's with one reserved core; none: "
+        "torch's own threads on every core (what runs 1-6 and part 1's runs in "
+        "docs/performance.md had)",
     )
     ap.add_argument(
         "--busy",
@@ -278,9 +314,13 @@ def main() -> None:
     if args.serve:
         serve(json.loads(args.serve))
         return
-    if args.bind == "vllm":
-        ENGINE_ENV.update(vllm_omp_binding(RESERVED_CPUS))
-    print(f"engine OpenMP binding: {ENGINE_ENV or 'none (torch threads on every core)'}")
+    EXECUTOR["name"] = args.executor
+    if args.executor == "mp":
+        print("engines: vLLM's multiprocess executor, OpenMP binding by vLLM")
+    else:
+        if args.bind == "vllm":
+            ENGINE_ENV.update(vllm_omp_binding(RESERVED_CPUS))
+        print(f"engine OpenMP binding: {ENGINE_ENV or 'none (torch threads on every core)'}")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from umbp_redis.ops.bench_dataplane import umbp_gbps
     from umbp_redis.ops.embedded_redis import EmbeddedRedis
