@@ -1,5 +1,6 @@
 """What a load in flight costs the forward pass, with the transfer thread on the forward
-pass's CPU (``transfer_cpus: inherit``) or moved off it (``auto``).
+pass's CPU (``transfer_cpus: inherit``), on the reserved CPUs only (a list), or free to
+run on either (``auto``).
 
 Emulates a vLLM CPU worker with one reserved core: this process's OpenMP threads are
 bound to the first CPU (``OMP_PLACES``/``OMP_PROC_BIND``, as vLLM's executor sets them,
@@ -57,7 +58,8 @@ def main() -> None:
         loads()
         med = statistics.median
         print(f"forward pass on CPU {forward_cpu} (1 OpenMP thread), Redis on CPUs {reserved}")
-        for spec in ("inherit", "auto"):
+        only_reserved = ",".join(map(str, reserved))  # auto's choice before 2026-12-04 23:50
+        for spec in ("inherit", only_reserved, "auto"):
             pinner = ThreadPinner(spec)
             with ThreadPoolExecutor(1, initializer=pinner) as pool:
                 where = pool.submit(lambda: sorted(os.sched_getaffinity(0))).result()
@@ -68,7 +70,7 @@ def main() -> None:
                     loaded.append(forward())
                     rates.append(fut.result())
             print(
-                f"transfer_cpus={spec:8s} load thread on CPUs {where}: forward alone "
+                f"transfer_cpus={spec!r:10s} load thread on CPUs {where}: forward alone "
                 f"{med(alone) * 1e3:.0f} ms, with loads in flight {med(loaded) * 1e3:.0f} ms "
                 f"({med(loaded) / med(alone):.2f}x); loads {med(rates):.2f} GB/s"
             )

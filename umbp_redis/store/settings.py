@@ -236,11 +236,11 @@ OPTIONS: tuple[Option, ...] = (
         "auto",
         "CPUs the transfer threads run on. vLLM's CPU workers bind their OpenMP threads "
         "to some cores and reserve the rest; threads started by the worker inherit that "
-        "binding and would share the forward pass's cores. auto: the CPUs of the same "
-        "NUMA node that neither this worker's OpenMP binding (OMP_PLACES, "
-        "GOMP_CPU_AFFINITY or KMP_AFFINITY) nor another rank's VLLM_CPU_OMP_THREADS_BIND "
-        "list names; no change without a binding or when none is left; inherit: no "
-        "change; or a list such as 0,2-3.",
+        "binding and would share the forward pass's cores. auto: every CPU of the "
+        "worker's NUMA node that no other rank's VLLM_CPU_OMP_THREADS_BIND list names, its "
+        "own OpenMP cores (OMP_PLACES, GOMP_CPU_AFFINITY or KMP_AFFINITY) included, so the "
+        "kernel runs transfers wherever a core is idle; no change without a binding; "
+        "inherit: no change; or a list such as 0,2-3 (pinned there).",
     ),
     Option(
         "store_mode",

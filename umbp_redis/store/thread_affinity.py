@@ -4,8 +4,8 @@ vLLM's CPU workers bind their OpenMP threads to a set of cores (``OMP_PLACES``,
 ``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY``) and leave the others reserved for the engine
 loop and helpers. A thread started by the worker's main thread inherits its binding, so
 transfer threads would share the forward pass's cores while the reserved ones idle.
-``auto`` moves them to the CPUs of the worker's NUMA node that no rank's OpenMP binding
-names.
+``auto`` lets them run on every CPU of the worker's NUMA node that no other rank is
+bound to, so the kernel places them on whichever core is idle.
 """
 
 from __future__ import annotations
@@ -100,33 +100,21 @@ def numa_node(cpu: int) -> int:
     return 0
 
 
-def physical_core(cpu: int) -> tuple[int, int]:
-    """(package, core) of ``cpu`` as sysfs names them; SMT siblings share it (the CPU's
-    own id where sysfs names none)."""
-    base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-    try:
-        with open(f"{base}/physical_package_id") as pkg, open(f"{base}/core_id") as core:
-            return int(pkg.read()), int(core.read())
-    except (OSError, ValueError):
-        return -1, cpu
-
-
 def transfer_cpu_set(
     spec: str,
     environ: Mapping[str, str],
     cpu_count: int,
     node_of: Callable[[int], int] = numa_node,
-    core_of: Callable[[int], tuple[int, int]] = physical_core,
 ) -> frozenset[int] | None:
-    """The CPUs transfer threads are moved to for option value ``spec``; None leaves
-    them where they start.
+    """The CPUs transfer threads may run on for option value ``spec``; None leaves them
+    where they start.
 
-    ``auto``: the CPUs on the NUMA nodes of this process's OpenMP binding that neither
-    it nor any other rank's explicit ``VLLM_CPU_OMP_THREADS_BIND`` list names (vLLM's
-    automatic binding gives each rank its own node and reserves that node's last
-    cores), those on physical cores with no bound CPU first (vLLM binds one SMT sibling
-    per core: the other shares the core's execution units); None without a binding or
-    when nothing is left. ``inherit``: None.
+    ``auto``: every CPU of the NUMA nodes of this process's OpenMP binding, the bound
+    ones included, except those another rank's explicit ``VLLM_CPU_OMP_THREADS_BIND``
+    list names (vLLM's automatic binding gives each rank its own node): the kernel then
+    runs a transfer on a reserved core while the forward pass computes and on the
+    forward's idle cores while it waits. None without a binding, or when that adds no
+    CPU to the binding. ``inherit``: None.
     """
     if spec == INHERIT:
         return None
@@ -136,11 +124,9 @@ def transfer_cpu_set(
     if bound is None:
         return None
     nodes = {node_of(c) for c in bound}
-    taken = bound | vllm_bound_cpus(environ)
-    rest = frozenset(c for c in range(cpu_count) if c not in taken and node_of(c) in nodes)
-    busy_cores = {core_of(c) for c in taken}
-    whole = frozenset(c for c in rest if core_of(c) not in busy_cores)
-    return whole or rest or None
+    others = vllm_bound_cpus(environ) - bound
+    cpus = frozenset(c for c in range(cpu_count) if node_of(c) in nodes and c not in others)
+    return cpus if cpus - bound else None
 
 
 class ThreadPinner:
