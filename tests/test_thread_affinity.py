@@ -148,3 +148,18 @@ def test_a_refused_cpu_set_leaves_the_thread_and_logs_once(
     pin()
     assert os.sched_getaffinity(0) == before
     assert sum("cannot move transfer threads" in r.message for r in caplog.records) == 1
+
+
+def test_a_pinner_that_fails_never_breaks_the_thread_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ThreadPoolExecutor whose initializer raises refuses all work: the pinner
+    swallows any failure, so transfers still run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def broken(pid: int, cpus: object) -> None:
+        raise RuntimeError("no affinity here")
+
+    monkeypatch.setattr(os, "sched_setaffinity", broken)
+    with ThreadPoolExecutor(1, initializer=ThreadPinner("0")) as pool:
+        assert pool.submit(lambda: 42).result() == 42

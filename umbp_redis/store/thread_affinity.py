@@ -147,7 +147,8 @@ class ThreadPinner:
             return
         try:
             os.sched_setaffinity(0, self.cpus)
-        except OSError as e:
+            where = sorted(os.sched_getaffinity(0))
+        except Exception as e:  # an initializer that raises breaks the thread pool
             if not self._warned:
                 self._warned = True
                 log.warning(
@@ -162,7 +163,7 @@ class ThreadPinner:
             self._logged = True
             log.info(
                 "umbp-redis: transfer threads run on CPUs %s (transfer_cpus=%r)",
-                sorted(os.sched_getaffinity(0)),
+                where,
                 self.spec,
             )
 
