@@ -25,6 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # umbp_redis
 LAYERS, HIDDEN, INTER, NEW_TOKENS, PREFIX = 8, 1024, 2816, 56, 3000
 
 
+def omp_binding_env(cpus: list[int]) -> dict[str, str]:
+    """The environment with which vLLM's CPU executor binds a worker's OpenMP threads to
+    ``cpus`` (libgomp without ``LD_PRELOAD``: ``OMP_PLACES`` and ``OMP_PROC_BIND``)."""
+    return {
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
+        "OMP_PROC_BIND": "true",
+    }
+
+
 def bind_like_vllm() -> tuple[int, list[int]]:
     """Re-exec this script with its OpenMP threads bound to the first CPU (1 thread, as
     vLLM's executor binds a worker with the other cores reserved); returns (forward CPU,
@@ -33,14 +43,9 @@ def bind_like_vllm() -> tuple[int, list[int]]:
     if len(cpus) < 2:
         sys.exit("needs at least 2 CPUs (one for the forward pass, one reserved)")
     forward_cpu, reserved = cpus[0], cpus[1:]
-    if os.environ.get("OMP_PLACES") != f"{{{forward_cpu}}}":
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "OMP_PLACES": f"{{{forward_cpu}}}",
-            "OMP_PROC_BIND": "true",
-        }
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    binding = omp_binding_env([forward_cpu])
+    if os.environ.get("OMP_PLACES") != binding["OMP_PLACES"]:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **binding})
     return forward_cpu, reserved
 
 

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_worker_emulation
-from cpu_worker_emulation import LAYERS, Forward, redis_on, start  # noqa: E402
+from cpu_worker_emulation import LAYERS, Forward, redis_on, start  # script folder: on sys.path
 
 BLOCKS, PART = 23, 256 << 10
 

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_worker_emulation
-from cpu_worker_emulation import Forward, redis_on, start  # noqa: E402
+from cpu_worker_emulation import Forward, redis_on, start  # script folder: on sys.path
 
 OBJECTS, SIZE = 23, 2 << 20
 

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cpu_worker_emulation import omp_binding_env  # this script's folder is on sys.path
+
 MODEL = {
     "hidden_size": 1024,
     "num_layers": 8,
@@ -57,12 +59,7 @@ def vllm_omp_binding(reserved: int) -> dict[str, str]:
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where vLLM binds nothing and torch would use
     every core."""
     cpus = sorted(os.sched_getaffinity(0))
-    omp = cpus[:-reserved] if len(cpus) > reserved else cpus
-    return {
-        "OMP_NUM_THREADS": str(len(omp)),
-        "OMP_PLACES": "{" + ",".join(map(str, omp)) + "}",
-        "OMP_PROC_BIND": "true",
-    }
+    return omp_binding_env(cpus[:-reserved] if len(cpus) > reserved else cpus)
 
 
 def _setup_worker(self: Any, direct: bool, overlap: bool | None) -> None:

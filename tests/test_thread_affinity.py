@@ -98,7 +98,7 @@ def _allowed(native_id: int) -> set[int]:
     reason="needs Linux thread affinity and at least 2 CPUs (one bound, one free)",
 )
 @pytest.mark.parametrize("spec", ["auto", "inherit"])
-def test_transfer_threads_leave_the_forward_pass_cpu(
+def test_transfer_threads_may_leave_the_forward_pass_cpu(
     spec: str, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A thread bound like vLLM's worker thread (one CPU, named by OMP_PLACES) starts

@@ -203,7 +203,7 @@ class UMBPWorker:
         self.plane: DataPlane = plane or shared_plane(RedisSettings.from_options(options))
         self.stats = WorkerStats()
         self._seen_counters: dict[str, int] = {}
-        # Off the forward pass's cores where vLLM binds them (transfer_cpus).
+        # Free to leave the forward pass's cores where vLLM binds them (transfer_cpus).
         pin = thread_pinner(str(options["transfer_cpus"]))
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load", initializer=pin)
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store", initializer=pin)

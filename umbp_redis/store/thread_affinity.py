@@ -130,9 +130,9 @@ def transfer_cpu_set(
 
 
 class ThreadPinner:
-    """Moves the calling thread to the CPUs of ``transfer_cpus`` (a ``ThreadPoolExecutor``
-    initializer); a refusal (CPUs outside the process's cpuset) is logged once and the
-    thread stays where it is."""
+    """Sets the calling thread's CPUs from ``transfer_cpus`` (a ``ThreadPoolExecutor``
+    initializer); any failure (a refusal: CPUs outside the process's cpuset) is logged
+    once and the thread stays where it is."""
 
     def __init__(self, spec: str, environ: Mapping[str, str] | None = None) -> None:
         self.spec = validate_transfer_cpus(spec)
