@@ -602,3 +602,36 @@ def test_on_loaded_indices_are_the_callers_across_masters(clean_cluster: Embedde
     assert sorted(seen) == [i for i, s in enumerate(st) if s is LoadStatus.LOADED]
     assert sorted(seen) == [i for i in range(24) if i != 5] and not_in_place == []
     plane.close()
+
+
+def test_values_in_parts_load_by_part_across_masters(clean_cluster: EmbeddedCluster) -> None:
+    """Loads by part through the cluster client: every key's parts are reported once,
+    in order, with the caller's indices, their bytes in place when reported."""
+    plane = cluster_plane(clean_cluster.url)
+    keys = keys_for(18, "parts")
+    data = payloads(18, seed=12)
+    size = data.shape[1]
+    parts = (size // 4, size // 4, size - 2 * (size // 4))
+    starts = np.cumsum((0,) + parts)
+    assert (
+        plane.store(list(zip(keys, data, strict=True)), FP, parts=parts)
+        == [StoreStatus.STORED] * 18
+    )
+    dest = np.zeros_like(data)
+    seen: dict[int, list[int]] = {}
+    wrong: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def on_part(part: int, done: list[int]) -> None:
+        with lock:
+            for i in done:
+                seen.setdefault(i, []).append(part)
+                lo, hi = starts[part], starts[part + 1]
+                if not np.array_equal(dest[i, lo:hi], data[i, lo:hi]):
+                    wrong.append((i, part))
+
+    items = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
+    st = plane.load(items, FP, parts=parts, on_part=on_part)
+    assert st == [LoadStatus.LOADED] * 18 and np.array_equal(dest, data)
+    assert seen == {i: [0, 1, 2] for i in range(18)} and wrong == []
+    plane.close()

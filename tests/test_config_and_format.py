@@ -13,8 +13,10 @@ from umbp_redis.store.value_format import (
     HEADER_SIZE,
     InvalidValue,
     body_length,
+    checksum,
     decode_header,
     encode_header,
+    encode_value,
     validate_header,
 )
 
@@ -164,3 +166,40 @@ def test_header_round_trip_and_validation() -> None:
         decode_header(h[:20])
     with pytest.raises(InvalidValue, match="tail bytes"):
         decode_header(h + b"extra")
+
+
+def test_a_value_in_parts_round_trips_and_is_bound_to_its_split() -> None:
+    """Version 3: each part's body (jemalloc-sized) and its tail in h put the payload
+    back together; a reader expecting another split, or a damaged part table, rejects it."""
+    payload = memoryview(bytes(range(256)) * 1024)  # 256 KiB
+    fp, key = b"\x03" * 16, b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:bb"
+    parts = (64 << 10, 64 << 10, 128 << 10)
+    h, bodies = encode_value(fp, payload, key, with_checksum=True, parts=parts)
+    hdr = decode_header(h)
+    assert hdr.version == 3 and hdr.part_lengths == parts and hdr.checksum == checksum(payload)
+    assert [n for _, n in bodies] == [body_length(n) for n in parts]
+    rebuilt = bytearray(payload.nbytes)
+    for place, (offset, n) in zip(hdr.part_layout(), bodies, strict=True):
+        assert place.offset == offset and place.body_len == n
+        rebuilt[offset : offset + n] = payload[offset : offset + n]
+        tail = h[place.tail_at : place.tail_at + place.tail_len]
+        rebuilt[offset + n : offset + n + place.tail_len] = tail
+    assert bytes(rebuilt) == payload.tobytes()
+    ok: dict[str, Any] = {"payload_len": payload.nbytes, "body_field_len": bodies[0][1], "key": key}
+    validate_header(hdr, fingerprint=fp, require_checksum=True, parts=parts, **ok)
+    with pytest.raises(InvalidValue, match="parts"):
+        validate_header(hdr, fingerprint=fp, require_checksum=True, parts=parts[::-1], **ok)
+    with pytest.raises(InvalidValue, match="parts"):  # a reader that expects one part
+        validate_header(hdr, fingerprint=fp, require_checksum=True, **ok)
+    with pytest.raises(InvalidValue, match="part table"):
+        decode_header(h[:HEADER_SIZE] + (99).to_bytes(4, "little") + h[HEADER_SIZE + 4 :])
+    with pytest.raises(InvalidValue, match="add up"):
+        bad = h[: HEADER_SIZE + 4] + (1).to_bytes(8, "little") + h[HEADER_SIZE + 12 :]
+        decode_header(bad)
+    # One part (or none given) is the two-field version 2, as before.
+    one, bodies1 = encode_value(fp, payload, key, with_checksum=True, parts=(payload.nbytes,))
+    assert decode_header(one).version == 2
+    assert one == encode_header(fp, payload, key, with_checksum=True)[0]
+    assert bodies1 == [(0, body_length(payload.nbytes))]
+    with pytest.raises(ValueError, match="do not split"):
+        encode_value(fp, payload, key, with_checksum=True, parts=(1, 2))

@@ -82,6 +82,75 @@ def test_lookup_refreshes_ttl_of_hits(plane: RedisDataPlane, redis_url: str) -> 
     assert not r.exists(keys[1])
 
 
+# --- values in parts (loads by layer) --------------------------------------------------
+
+PARTS = (96 << 10, 64 << 10, (160 << 10) + 7)
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+def test_values_in_parts_load_whole_or_a_part_of_every_key_at_a_time(
+    redis_url: str, connections: int
+) -> None:
+    """Stored in parts, a value is one field per part; loaded whole it is byte-exact; by
+    part, part i of every key of a connection is in its destination when reported and
+    before part i + 1 of any, and the checksum still decides the final status."""
+    r = redis.Redis.from_url(redis_url)
+    size = sum(PARTS)
+    n = 12
+    d = make_plane(redis_url, checksum=True, transfer_connections=connections)
+    try:
+        src = payloads(n, size, seed=31)
+        keys = keys_for(n, f"parts{connections}")
+        assert (
+            d.store(list(zip(keys, src, strict=True)), FP, parts=PARTS) == [StoreStatus.STORED] * n
+        )
+        assert sorted(r.hkeys(keys[0])) == [b"b", b"b1", b"b2", b"h"]
+        assert [r.hstrlen(keys[0], f) for f in ("b", "b1", "b2")] == [body_length(x) for x in PARTS]
+        whole = np.zeros_like(src)
+        items = [(k, memoryview(whole[i])) for i, k in enumerate(keys)]
+        assert d.load(items, FP, parts=PARTS) == [LoadStatus.LOADED] * n
+        assert np.array_equal(src, whole)
+        # A reader expecting another split (or none) finds them invalid, not loaded.
+        other = np.zeros_like(src)
+        items = [(k, memoryview(other[i])) for i, k in enumerate(keys)]
+        assert d.load(items, FP) == [LoadStatus.INVALID] * n
+        assert d.load(items, FP, parts=PARTS[::-1]) == [LoadStatus.INVALID] * n
+
+        # By part: damage part 2 of key 5; every key's parts arrive in order.
+        body = bytearray(raw(r.hget(keys[5], "b2")))
+        body[3] ^= 0xFF
+        r.hset(keys[5], "b2", bytes(body))
+        dst = np.zeros_like(src)
+        starts = np.cumsum((0,) + PARTS)
+        seen: dict[int, list[int]] = {}
+        lock = threading.Lock()
+        wrong: list[tuple[int, int]] = []
+
+        def arrived(part: int, indices: list[int]) -> None:
+            lo, hi = starts[part], starts[part + 1]
+            with lock:
+                for i in indices:
+                    if seen.get(i, [-1])[-1] != part - 1:
+                        wrong.append((i, part))  # out of order
+                    seen.setdefault(i, []).append(part)
+                    if i != 5 or part < 2:  # the bytes are there when reported
+                        if not np.array_equal(dst[i, lo:hi], src[i, lo:hi]):
+                            wrong.append((i, part))
+
+        items = [(k, memoryview(dst[i])) for i, k in enumerate(keys)]
+        st = d.load(items, FP, parts=PARTS, on_part=arrived)
+        assert st == [LoadStatus.INVALID if i == 5 else LoadStatus.LOADED for i in range(n)]
+        assert not wrong and all(seen[i] == [0, 1, 2] for i in range(n))
+        assert np.array_equal(np.delete(src, 5, 0), np.delete(dst, 5, 0))
+        # A value deleted before its load: missing, its parts reported all the same.
+        r.delete(keys[7])
+        seen.clear()
+        st = d.load(items, FP, parts=PARTS, on_part=arrived)
+        assert st[7] is LoadStatus.MISSING and seen[7] == [0, 1, 2]
+    finally:
+        d.close()
+
+
 # --- store ---------------------------------------------------------------------------
 
 

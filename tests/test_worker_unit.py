@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from kv_fixtures import attn_spec, vllm_layout_caches
+from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
 from layout_cases import fill_random, page_bytes
 from test_data_identity import ktc, make_vllm_config
 from typed_redis import raw
@@ -35,10 +35,12 @@ def model_config(tiny_model: Path) -> ModelConfig:
     return ModelConfig(model=str(tiny_model), dtype="bfloat16", max_model_len=1024)
 
 
-def make_worker(model_config: ModelConfig, url: str, **extra) -> tuple[UMBPWorker, dict]:  # type: ignore[no-untyped-def, type-arg]
+def make_worker(  # type: ignore[no-untyped-def]
+    model_config: ModelConfig, url: str, heads: int = 2, **extra
+) -> tuple[UMBPWorker, dict]:  # type: ignore[type-arg]
     cfg = make_vllm_config(model_config, extra={"redis_url": url, **extra})
     kv, caches = vllm_layout_caches(
-        KVCacheLayout.LBHNC, num_blocks=NB, spec=attn_spec(block_size=128)
+        KVCacheLayout.LBHNC, num_blocks=NB, spec=attn_spec(block_size=128, heads=heads)
     )
     opts = validate_options(ktc(cfg).kv_connector_extra_config)
     w = UMBPWorker(
@@ -150,6 +152,37 @@ def test_sync_load_reports_errors_without_finished_ids(
     # vLLM cached the sync load's blocks before it ran: the scheduler must hear of it.
     wmeta = w.build_worker_meta()
     assert wmeta is not None and wmeta.sync_failed_requests == ("r",)
+
+
+def test_a_failed_sync_load_drops_the_stores_of_its_step(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    """The forward pass of a step whose sync load failed read blocks that did not load;
+    the blocks that step computed are not stored (reported failed), a step whose sync
+    load worked stores them."""
+    import redis
+
+    stored_source(model_config, redis_url, H1, 3, seed=11)
+    r = redis.Redis.from_url(redis_url)
+    for missing, store_hash, eid in ((H3, H4, 21), (H1, H2, 22)):
+        w, caches = make_worker(model_config, redis_url)
+        fill_random(caches, seed=12)
+        key = w.codec.key(store_hash, 0)
+        r.delete(key)
+        sync = BlockLoadBatch("r", (missing,), (2,), (0,), load_async=False)
+        store = BlockStoreBatch("r", (store_hash,), (5,), (0,), event_id=eid)
+        step(w, UMBPConnectorMetadata(loads=[sync], stores=[store]))
+        while not w.idle():
+            time.sleep(0.01)
+        meta = w.build_worker_meta()
+        assert meta is not None and meta.store_results[eid].finished_workers == 1
+        if missing == H3:  # the load failed: nothing stored, the event reports the key failed
+            assert w.get_block_ids_with_load_errors() == {2}
+            assert meta.store_results[eid].failed_keys == {key}
+            assert not r.exists(key) and w.stats.take()["stores_dropped"] == 1
+        else:
+            assert w.get_block_ids_with_load_errors() == set()
+            assert not meta.store_results[eid].failed_keys and r.exists(key)
 
 
 def test_full_staging_drops_stores_but_reports_the_event(
@@ -660,3 +693,143 @@ def test_a_failed_copy_fails_only_its_blocks_and_does_not_quarantine_them(
     meta = dst.build_worker_meta()
     assert meta is None or meta.failed_loads == ()  # the values are fine: no quarantine
     assert dst.staging is not None and dst.staging.free_slots == dst.staging.num_slots
+
+
+# --- sync loads by layer ----------------------------------------------------------------
+
+WIDE = 8  # KV heads: 256 KiB a layer, so an object of 3 layers is stored in 3 parts
+
+
+def forward_step(w: UMBPWorker, meta: UMBPConnectorMetadata) -> None:
+    """A step as vLLM runs it with a forward pass: each attention layer waits for its load."""
+    w.bind(meta)
+    w.start_load_kv()
+    for name in LAYERS:
+        w.wait_for_layer_load(name)
+    w.wait_for_save()
+    w.clear()
+
+
+def _layered_pair(
+    model_config: ModelConfig, url: str, blocks: int = 4, **extra: Any
+) -> tuple[UMBPWorker, dict, UMBPWorker, dict, list[bytes]]:  # type: ignore[type-arg]
+    """A source that stored ``blocks`` random blocks (ids 1..) and a fresh destination."""
+    hashes = [bytes([0x40 + i]) * 32 for i in range(blocks)]
+    src, src_caches = make_worker(model_config, url, heads=WIDE)
+    fill_random(src_caches, seed=21)
+    ids = tuple(range(1, blocks + 1))
+    step(
+        src,
+        UMBPConnectorMetadata(
+            stores=[BlockStoreBatch("s", tuple(hashes), ids, (0,) * blocks, event_id=3)]
+        ),
+    )
+    while not src.idle():
+        time.sleep(0.01)
+    dst, dst_caches = make_worker(model_config, url, heads=WIDE, **extra)
+    assert src.planner.layouts[0].part_layers() == tuple((name,) for name in LAYERS)
+    return src, src_caches, dst, dst_caches, hashes
+
+
+def test_a_sync_load_by_layer_lets_each_layer_go_once_its_part_is_in(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    """start_load_kv returns at once; when wait_for_layer_load(layer) returns, that
+    layer's page of every block is the source's; the whole load is valid at the end."""
+    import redis
+
+    _, src_caches, w, caches, hashes = _layered_pair(model_config, redis_url)
+    key = w.codec.key(hashes[0], 0)
+    assert sorted(redis.Redis.from_url(redis_url).hkeys(key)) == [b"b", b"b1", b"b2", b"h"]
+    ids = (5, 6, 7, 8)
+    w.bind(
+        UMBPConnectorMetadata(
+            loads=[BlockLoadBatch("r", tuple(hashes), ids, (0,) * 4, load_async=False)]
+        )
+    )
+    w.start_load_kv()
+    assert len(w._step_gates) == 1  # running alongside the forward pass
+    for name in LAYERS:
+        w.wait_for_layer_load(name)
+        for i, b in enumerate(ids):
+            assert torch.equal(page_bytes(caches[name], b), page_bytes(src_caches[name], i + 1))
+    w.wait_for_save()
+    w.clear()
+    assert w.get_block_ids_with_load_errors() == set()
+    counts = w.stats.take()
+    assert (counts["blocks_loaded"], counts["sync_loads"]) == (4, 1)
+    assert w.build_worker_meta() is None
+
+
+def test_a_load_by_layer_the_forward_did_not_wait_for_is_recomputed(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    """A forward pass that skips wait_for_layer_load for a layer may have read it too
+    early: every block of the load is reported failed, the step stores nothing, and
+    sync loads then run before the forward pass."""
+    _, _, w, caches, hashes = _layered_pair(model_config, redis_url)
+    fill_random(caches, seed=3)
+    load = BlockLoadBatch("r", tuple(hashes), (5, 6, 7, 8), (0,) * 4, load_async=False)
+    store = BlockStoreBatch("r", (H4,), (9,), (0,), event_id=4)
+    w.bind(UMBPConnectorMetadata(loads=[load], stores=[store]))
+    w.start_load_kv()
+    w.wait_for_layer_load(LAYERS[0])  # the other layers are not waited for
+    w.wait_for_save()
+    w.clear()
+    assert w.get_block_ids_with_load_errors() == {5, 6, 7, 8}
+    meta = w.build_worker_meta()
+    assert meta is not None and meta.sync_failed_requests == ("r",)
+    assert meta.store_results[4].failed_keys  # dropped: computed over the failed load
+    assert not w.load_by_layer
+    w.bind(UMBPConnectorMetadata(loads=[load]))
+    w.start_load_kv()  # now whole, before the forward pass
+    assert not w._step_gates
+    w.wait_for_save()
+    w.clear()
+    assert w.get_block_ids_with_load_errors() == set()
+
+
+def test_a_load_by_layer_of_a_damaged_value_fails_its_blocks_and_the_steps_stores(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    import redis
+
+    _, _, w, _, hashes = _layered_pair(model_config, redis_url)
+    r = redis.Redis.from_url(redis_url)
+    key = w.codec.key(hashes[2], 0)
+    body = bytearray(raw(r.hget(key, "b2")))
+    body[11] ^= 0xFF
+    r.hset(key, "b2", bytes(body))
+    load = BlockLoadBatch("r", tuple(hashes), (5, 6, 7, 8), (0,) * 4, load_async=False)
+    store = BlockStoreBatch("r", (H4,), (9,), (0,), event_id=5)
+    forward_step(w, UMBPConnectorMetadata(loads=[load], stores=[store]))
+    assert w.get_block_ids_with_load_errors() == {7}
+    meta = w.build_worker_meta()
+    assert meta is not None and meta.store_results[5].failed_keys
+    assert not r.exists(key)  # the damaged value was removed
+    assert not r.exists(w.codec.key(H4, 0))
+
+
+def test_a_load_by_layer_holds_each_layer_up_at_most_until_sync_load_timeout_s(
+    model_config: ModelConfig, own_redis: EmbeddedRedis
+) -> None:
+    """A server that stops answering holds the forward pass's layers up until the
+    load's deadline in all, not op_timeout_s; the blocks are recomputed."""
+    import redis
+
+    _, _, w, _, hashes = _layered_pair(
+        model_config, own_redis.url, op_timeout_s=5.0, sync_load_timeout_s=0.3
+    )
+    load = BlockLoadBatch("r", tuple(hashes), (5, 6, 7, 8), (0,) * 4, load_async=False)
+    forward_step(w, UMBPConnectorMetadata(loads=[load]))  # the connections are made
+    assert w.get_block_ids_with_load_errors() == set()
+    blocker = redis.Redis.from_url(own_redis.url)
+    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
+    th.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    forward_step(w, UMBPConnectorMetadata(loads=[load]))
+    held = time.monotonic() - t0
+    th.join()
+    assert held < 1.0  # the server slept 2 s; op_timeout_s is 5 s
+    assert w.get_block_ids_with_load_errors() == {5, 6, 7, 8}

@@ -91,7 +91,8 @@ class UMBPRedisConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # sync loads complete in start_load_kv; async ones gate the request
+        if self._worker is not None:  # loads by layer; async loads gate the request
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
+# How an object is split into parts (``KVLayoutDescriptor.part_layers``): every engine
+# of a layout splits alike, so these are part of the stored format, not options.
+MIN_PART_BYTES = 256 << 10
+MAX_PARTS = 16
+
+
 class KVLayoutError(ValueError):
     """The engine's KV tensors do not match the KV cache config they were planned from."""
 
@@ -62,6 +68,30 @@ class KVLayoutDescriptor:
     def fingerprint_hex(self) -> str:
         """The fingerprint as 32 hex digits."""
         return self.fingerprint.hex()
+
+    def part_layers(self) -> tuple[tuple[str, ...], ...]:
+        """The layers of each part the object is stored in, in object order.
+
+        Consecutive layers, as evenly as layers allow, in as many parts as there are
+        layers, at most ``MAX_PARTS`` and no more than leave ``MIN_PART_BYTES`` a part:
+        a reader can load the first layers of many blocks before the last ones. One
+        part when the object is smaller than two parts' minimum.
+        """
+        layers = list(dict.fromkeys(r.layer_name for r in self.regions))
+        count = min(len(layers), MAX_PARTS, max(1, self.object_size // MIN_PART_BYTES))
+        n = len(layers)
+        return tuple(tuple(layers[k * n // count : (k + 1) * n // count]) for k in range(count))
+
+    def part_lengths(self) -> tuple[int, ...]:
+        """The bytes of each part of ``part_layers`` (they add up to ``object_size``)."""
+        size: dict[str, int] = {}
+        for r in self.regions:
+            size[r.layer_name] = size.get(r.layer_name, 0) + r.length
+        return tuple(sum(size[name] for name in part) for part in self.part_layers())
+
+    def layer_parts(self) -> dict[str, int]:
+        """Which part of ``part_layers`` holds each layer."""
+        return {name: i for i, part in enumerate(self.part_layers()) for name in part}
 
     @staticmethod
     def compute_fingerprint(group_id: int, regions: Sequence[KVRegion], object_size: int) -> bytes:

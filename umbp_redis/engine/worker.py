@@ -43,6 +43,7 @@ from umbp_redis.data import (
 )
 from umbp_redis.engine.copy.factory import make_block_copier
 from umbp_redis.engine.copy.interface import BlockCopier, CopyHandle
+from umbp_redis.engine.layer_gate import LayerGate
 from umbp_redis.engine.load_scatter import ScatterAsLoaded
 from umbp_redis.engine.staging import StagingPool, staging_budget
 from umbp_redis.engine.stats import CLUSTER_COUNTERS, NODE_FAILURES_PREFIX
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 
 # Failed-load block hashes one report carries at most (the oldest are dropped).
 MAX_FAILED_LOADS_REPORTED = 4096
+
+# Seconds past a load-by-layer's deadline the end of the step waits for its thread.
+LAYER_LOAD_JOIN_GRACE_S = 1.0
 
 # Data-plane counters carried into vLLM's stats (as deltas per interval).
 CARRIED_COUNTERS = ("auth_failures", "unexpected_errors", *CLUSTER_COUNTERS)
@@ -104,6 +108,13 @@ def _positions(
     if scatters is None:
         return None
     return lambda done: scatters.launch([idx[j] for j in done])
+
+
+def _arrivals(gate: LayerGate | None, group: int) -> Callable[[int, list[int]], None] | None:
+    """The plane's ``on_part`` for one cache group of a load by layer."""
+    if gate is None:
+        return None
+    return lambda part, done: gate.arrived(group, part, done)
 
 
 def _copy_plan(plans: list[BlockTransferPlan], slots: list[int]) -> StagingCopyPlan:
@@ -207,6 +218,13 @@ class UMBPWorker:
         pin = thread_pinner(str(options["transfer_cpus"]))
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load", initializer=pin)
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store", initializer=pin)
+        # Sync loads run alongside the forward pass, a part of every block at a time.
+        self.load_by_layer = bool(options["load_by_layer"])
+        self._layer_loads = ThreadPoolExecutor(4, thread_name_prefix="umbp-layers", initializer=pin)
+        self._step_gates: list[tuple[LayerGate, Any, BlockLoadBatch]] = []
+        self._layer_part: dict[str, tuple[int, int]] = {}  # layer -> (group, part)
+        self._part_lengths: dict[bytes, tuple[int, ...]] = {}  # by layout fingerprint
+        self._layer_wait_logged = False
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
@@ -214,6 +232,10 @@ class UMBPWorker:
         self.fails_per_request = not block_failures_reportable(kv_cache_config)
         self._failed_recving: set[str] = set()
         self._sync_failed: dict[str, None] = {}  # requests whose sync load failed
+        # A sync load of this step failed: the forward pass computed over blocks that did
+        # not load, so this step's stores would write KV computed from them.
+        self._step_sync_failed = False
+        self._dropped_stores_logged = False
         self._store_reports: dict[int, StoreEventResult] = {}
         # Block hashes whose load failed (invalid or error) since the last report; those
         # reported lately (bounded); those of them stored again since the last report.
@@ -289,11 +311,15 @@ class UMBPWorker:
             " (pinned)" if pin else "",
         )
         for gid, lay in self.planner.layouts.items():
+            self._part_lengths[lay.fingerprint] = lay.part_lengths()
+            for layer, part in lay.layer_parts().items():
+                self._layer_part[layer] = (gid, part)
             log.info(
-                "umbp-redis: group %d object %d bytes, %d regions, layout %s",
+                "umbp-redis: group %d object %d bytes, %d regions, %d parts, layout %s",
                 gid,
                 lay.object_size,
                 len(lay.regions),
+                len(self._part_lengths[lay.fingerprint]),
                 lay.fingerprint_hex,
             )
 
@@ -310,6 +336,7 @@ class UMBPWorker:
         """Take this step's metadata."""
         self.meta = meta
         self._stores_submitted = False
+        self._step_sync_failed = False
         if meta.cancelled_requests:
             with self._lock:
                 # Only requests with a load in flight need remembering (bounded memory).
@@ -338,14 +365,97 @@ class UMBPWorker:
                 self._loading[batch.request_id] = self._loading.get(batch.request_id, 0) + 1
             if batch.load_async:
                 self._track(self._loads.submit(self._run_load, batch, True, after))
+            elif self._loads_by_layer(batch):
+                # The forward pass waits for each layer's part (wait_for_layer_load) and
+                # the step's end for the whole load (wait_for_save).
+                groups: dict[int, int] = defaultdict(int)
+                for g in batch.group_ids:
+                    groups[g] += 1
+                gate = LayerGate(groups, time.monotonic() + self.sync_load_timeout_s)
+                fut = self._layer_loads.submit(self._run_load, batch, False, after, gate)
+                self._track(fut)
+                self._step_gates.append((gate, fut, batch))
             else:  # vLLM runs the forward pass once this returns
                 self._run_load(batch, False, after)
 
+    def _loads_by_layer(self, batch: BlockLoadBatch) -> bool:
+        """Whether a sync load runs alongside the forward pass (its values are stored
+        in several parts)."""
+        if not self.load_by_layer or self.fails_per_request:
+            return False
+        layouts = self.planner.layouts
+        return any(
+            g in layouts and len(self._part_lengths[layouts[g].fingerprint]) > 1
+            for g in set(batch.group_ids)
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention: wait until this step's loads by layer have
+        its part of every block, at most until their deadline (``sync_load_timeout_s``;
+        blocks not loaded by then are reported failed at the step's end)."""
+        if not self._step_gates:
+            return
+        where = self._layer_part.get(layer_name)
+        if where is None:  # a layer no load of ours writes
+            return
+        for gate, _fut, _batch in self._step_gates:
+            if not gate.wait(*where) and not self._layer_wait_logged:
+                self._layer_wait_logged = True
+                log.warning(
+                    "umbp-redis: a sync load had not brought layer %s in by "
+                    "sync_load_timeout_s=%.3g; its blocks are recomputed (logged once)",
+                    layer_name,
+                    self.sync_load_timeout_s,
+                )
+
+    def _join_layer_loads(self) -> None:
+        """End of the forward pass: wait for this step's loads by layer to end (each by
+        its deadline, plus a grace); a load that has not ended, or one some layer of
+        which the forward pass did not wait for, fails all its blocks."""
+        gates, self._step_gates = self._step_gates, []
+        for gate, fut, batch in gates:
+            try:
+                fut.result(
+                    timeout=max(0.0, gate.deadline - time.monotonic()) + LAYER_LOAD_JOIN_GRACE_S
+                )
+            except Exception as e:
+                log.error("umbp-redis: sync load of %s did not end: %r", batch.request_id, e)
+                with self._lock:
+                    self._note_load_failure(batch.request_id, set(batch.block_ids), sync=True)
+                continue
+            layouts = self.planner.layouts
+            parts = {
+                (g, p)
+                for g in set(batch.group_ids)
+                if g in layouts
+                for p in range(len(self._part_lengths[layouts[g].fingerprint]))
+            }
+            unwaited = parts - gate.waited
+            if unwaited:
+                # The forward pass may have read those layers before their bytes were in.
+                with self._lock:
+                    self._note_load_failure(batch.request_id, set(batch.block_ids), sync=True)
+                if self.load_by_layer:
+                    self.load_by_layer = False
+                    log.warning(
+                        "umbp-redis: the forward pass did not wait for every layer of a "
+                        "load by layer (not waited: %s); its blocks are recomputed and "
+                        "sync loads now run before the forward pass (load_by_layer off)",
+                        sorted(unwaited),
+                    )
+
     def wait_for_save(self) -> None:
-        """Submit this step's stores (once per step)."""
+        """Submit this step's stores (once per step); drop them all where a sync load of
+        the step failed (see ``_drop_stores``)."""
         if self.meta is not None and not self._stores_submitted:
             self._stores_submitted = True
-            self._submit_stores(self.meta.stores)
+            self._join_layer_loads()
+            with self._lock:
+                tainted = self._step_sync_failed
+            if tainted:
+                self._drop_stores(self.meta.stores)
+            else:
+                self._submit_stores(self.meta.stores)
 
     def clear(self) -> None:
         """End of step: submit stores if no forward pass ran, drop the metadata."""
@@ -378,6 +488,33 @@ class UMBPWorker:
         )
 
     # -- stores -----------------------------------------------------------------------
+
+    def _drop_stores(self, batches: list[BlockStoreBatch]) -> None:
+        """Report ``batches`` dropped without writing them.
+
+        A sync load that failed left blocks the forward pass read as prefix; every block
+        the step computed may depend on them (the failed request's, and any other
+        request's that shared its cached blocks), so none of them is stored. vLLM rolls
+        the failed request back and computes them again; they are stored then.
+        """
+        n = sum(len(b) for b in batches)
+        if not n:
+            for b in batches:
+                self._report_store(b.event_id, frozenset())
+            return
+        self.stats.add(stores_dropped=n)
+        if not self._dropped_stores_logged:
+            self._dropped_stores_logged = True
+            log.warning(
+                "umbp-redis: a sync load failed, so the %d blocks this step computed are "
+                "not stored (they may depend on the blocks that did not load); vLLM "
+                "computes them again (logged once)",
+                n,
+            )
+        for b in batches:
+            pairs = zip(b.block_hashes, b.group_ids, strict=True)
+            keys = frozenset(self.codec.key(h, g) for h, g in pairs)
+            self._report_store(b.event_id, keys)
 
     def _submit_stores(self, batches: list[BlockStoreBatch]) -> None:
         if not batches or self.copier is None or self.staging is None:
@@ -461,7 +598,7 @@ class UMBPWorker:
                     (plans[i].key, self.staging.array(slots[i])[: plans[i].object_size])
                     for i in idx
                 ]
-                res = self.plane.store(items, fp)
+                res = self.plane.store(items, fp, parts=self._part_lengths.get(fp))
                 if self._recent_failed:
                     self._note_repaired(
                         [
@@ -486,10 +623,18 @@ class UMBPWorker:
 
     # -- loads ------------------------------------------------------------------------
 
-    def _run_load(self, batch: BlockLoadBatch, report: bool, after: object | None) -> None:
+    def _run_load(
+        self,
+        batch: BlockLoadBatch,
+        report: bool,
+        after: object | None,
+        gate: LayerGate | None = None,
+    ) -> None:
         t0 = time.perf_counter()
         # A sync load (not reported: the engine's step waits for it) ends in time.
         deadline = None if report else time.monotonic() + self.sync_load_timeout_s
+        if gate is not None:
+            deadline = gate.deadline
         failed: set[int] = set()
         slots: list[int] | None = None
         scatters: ScatterAsLoaded | None = None
@@ -529,7 +674,13 @@ class UMBPWorker:
             for fp, idx in _by_fingerprint(plans).items():
                 items = [(plans[i].key, targets[i]) for i in idx]
                 res = self.plane.load(
-                    items, fp, deadline=deadline, on_loaded=_positions(early, idx)
+                    items,
+                    fp,
+                    deadline=deadline,
+                    on_loaded=_positions(early, idx),
+                    parts=self._part_lengths.get(fp),
+                    # Straight into the blocks: each part is usable once in (by layer).
+                    on_part=_arrivals(gate, plans[idx[0]].group_id) if slots is None else None,
                 )
                 for i, s in zip(idx, res, strict=True):
                     statuses[i] = s
@@ -541,6 +692,8 @@ class UMBPWorker:
                 scatters.launch([i for i, st in enumerate(statuses) if st is LoadStatus.LOADED])
                 scatters.wait()
                 copy_failed = scatters.failed
+            if gate is not None:  # every byte is in: the forward pass may read all layers
+                gate.open_all()
             if self._is_cancelled(batch.request_id):
                 return
             invalid = [
@@ -589,6 +742,8 @@ class UMBPWorker:
         finally:
             if scatters is not None:
                 scatters.wait()  # no copy may still read a slot that is handed back
+            if gate is not None:
+                gate.open_all()
             if slots is not None and self.staging is not None:
                 self.staging.release(slots)
             self.stats.add(
@@ -643,6 +798,7 @@ class UMBPWorker:
             return
         if sync:
             self._sync_failed[request_id] = None
+            self._step_sync_failed = True
         if self.fails_per_request:
             self._failed_recving.add(request_id)
         else:
@@ -725,4 +881,5 @@ class UMBPWorker:
         if futs:
             wait(futs, timeout=float(self.options["shutdown_timeout_s"]))
         self._loads.shutdown(wait=False, cancel_futures=True)
+        self._layer_loads.shutdown(wait=False, cancel_futures=True)
         self._stores.shutdown(wait=False, cancel_futures=True)

@@ -19,8 +19,8 @@ from typing import Any
 from umbp_redis.data.keys import NAMESPACE_RE, namespace_pattern, parse_key
 from umbp_redis.store.settings import DEFAULT_URL, RedisSettings
 from umbp_redis.store.value_format import (
-    HEADER_SIZE,
     InvalidValue,
+    body_field,
     checksum,
     decode_header,
     key_digest,
@@ -160,21 +160,39 @@ def _rank_label(tp: int | None, pcp: int, dcp: int, pp: int) -> str:
     return f"tp{'*' if tp is None else tp}:pcp{pcp}:dcp{dcp}:pp{pp}"
 
 
+def _payload_len(field_h: Any) -> int | None:
+    """The payload length a value's header field states, or None if it is not one."""
+    if not isinstance(field_h, bytes):
+        return None
+    try:
+        return decode_header(field_h).payload_len
+    except InvalidValue:
+        return None
+
+
+def payload_sizes(r: Any, keys: list[bytes]) -> list[int | None]:
+    """The payload bytes of each key's value, from its header field (None: no value of
+    this format), in one pipeline."""
+    p = r.pipeline(transaction=False)
+    for k in keys:
+        p.hget(k, "h")
+    return [_payload_len(h) for h in p.execute(raise_on_error=False)]
+
+
 def _key_info(r: Any, keys: list[bytes]) -> list[dict[str, Any]]:
     p = r.pipeline(transaction=False)
     for k in keys:
-        p.hstrlen(k, "b")
-        p.hstrlen(k, "h")
+        p.hget(k, "h")
         p.ttl(k)
     replies = p.execute(raise_on_error=False)
     out = []
     for i, k in enumerate(keys):
-        b, h, ttl = replies[3 * i : 3 * i + 3]
+        h, ttl = replies[2 * i : 2 * i + 2]
         try:
             d = parse_key(k)
         except ValueError:
             continue
-        size = (b + h - HEADER_SIZE) if isinstance(b, int) and isinstance(h, int) and h else None
+        size = _payload_len(h)
         out.append(
             {
                 "key": k.decode(),
@@ -256,25 +274,34 @@ def inspect_value(r: Any, key: str) -> dict[str, Any]:
     if kind != "hash":
         info.update(valid=False, error=f"value is a {kind}, not an umbp-redis hash")
         return info
-    h, body = r.hmget(key, ["h", "b"])
+    h = r.hget(key, "h")
     try:
-        if h is None or body is None:
-            raise InvalidValue("field h or b missing")
+        if h is None:
+            raise InvalidValue("field h missing")
         hdr = decode_header(h)
         info.update(
             format_version=hdr.version,
             layout_fingerprint=hdr.fingerprint.hex(),
             payload_len=hdr.payload_len,
             body_len=hdr.body_len,
+            parts=len(hdr.part_lengths),
         )
-        if len(body) != hdr.body_len:
-            raise InvalidValue(f"body is {len(body)} bytes, header says {hdr.body_len}")
+        places = hdr.part_layout()
+        bodies = r.hmget(key, [body_field(i) for i in range(len(places))])
+        payload = bytearray()
+        for i, (place, body) in enumerate(zip(places, bodies, strict=True)):
+            name = body_field(i).decode()
+            if body is None:
+                raise InvalidValue(f"field {name} missing")
+            if len(body) != place.body_len:
+                raise InvalidValue(f"field {name} is {len(body)} bytes, expected {place.body_len}")
+            payload += body + h[place.tail_at : place.tail_at + place.tail_len]
         bound = hdr.key_digest == key_digest(key.encode())
         info["key_digest"] = "ok" if bound else "MISMATCH"
         if not bound:
             raise InvalidValue("key digest differs: the value was written under another key")
         if hdr.has_checksum:
-            ok = checksum(body + h[HEADER_SIZE:]) == hdr.checksum
+            ok = checksum(payload) == hdr.checksum
             info["checksum"] = "ok" if ok else "MISMATCH"
             if not ok:
                 raise InvalidValue("checksum mismatch")

@@ -176,6 +176,7 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
     import redis
 
     from umbp_redis.data.keys import namespace_pattern
+    from umbp_redis.ops.admin import payload_sizes
     from umbp_redis.ops.tiny_model import build_tiny_llama, sample_prompts
 
     model_dir = Path(args.model_dir or Path.home() / ".cache" / "umbp-redis" / "tiny-llama")
@@ -219,12 +220,7 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
             results[phase] = json.loads(Path(f"{tmp}/{phase}.json").read_text())
     r = redis.Redis.from_url(url)
     keys = list(r.scan_iter(match=namespace_pattern(), count=1000))
-    p = r.pipeline(transaction=False)
-    for k in keys:
-        p.hstrlen(k, "b")
-        p.hstrlen(k, "h")
-    sizes = p.execute()
-    stored_bytes = sum(sizes[0::2]) + sum(sizes[1::2]) - 48 * len(keys)
+    stored_bytes = sum(n or 0 for n in payload_sizes(r, keys))
     cold, warm = results["cold"], results["warm"]
     equal = cold["outputs"] == warm["outputs"]
     table = [

@@ -32,6 +32,7 @@ from umbp_redis.store.plane import (
     DataPlaneStats,
     LoadedCallback,
     LoadStatus,
+    PartCallback,
     RedisDataPlane,
     StoreStatus,
     lookup_commands,
@@ -519,9 +520,10 @@ class ClusterDataPlane:
         *,
         skip_existing: bool = False,
         ttl_seconds: int | None = None,
+        parts: Sequence[int] | None = None,
     ) -> list[StoreStatus]:
         """Write each (key, payload) on its master with a TTL; per-key status, in order
-        (as ``RedisDataPlane.store``)."""
+        (as ``RedisDataPlane.store``, ``parts`` included)."""
         if not items:
             return []
         out = self._route(
@@ -532,6 +534,7 @@ class ClusterDataPlane:
                 skip_existing=skip_existing,
                 ttl_seconds=ttl_seconds,
                 asking=asking,
+                parts=parts,
             ),
             StoreStatus.ERROR,
             "store",
@@ -546,9 +549,12 @@ class ClusterDataPlane:
         *,
         deadline: float | None = None,
         on_loaded: LoadedCallback | None = None,
+        parts: Sequence[int] | None = None,
+        on_part: PartCallback | None = None,
     ) -> list[LoadStatus]:
         """Read each key from its master into its buffer; per-key status, in order (as
-        ``RedisDataPlane.load``, ``deadline`` and ``on_loaded`` included)."""
+        ``RedisDataPlane.load``, ``deadline``, ``on_loaded``, ``parts`` and ``on_part``
+        included: a key redirected to another node reports its parts from there)."""
         if not items:
             return []
 
@@ -560,8 +566,15 @@ class ClusterDataPlane:
         ) -> list[LoadStatus | RedisRedirectError]:
             # The node's indices are into its share: map them back to ``items``.
             found = None if on_loaded is None else lambda done: on_loaded([idx[j] for j in done])
+            got = None if on_part is None else lambda p, done: on_part(p, [idx[j] for j in done])
             return plane.load_raw(
-                sub, fingerprint, asking=asking, deadline=deadline, on_loaded=found
+                sub,
+                fingerprint,
+                asking=asking,
+                deadline=deadline,
+                on_loaded=found,
+                parts=parts,
+                on_part=got,
             )
 
         out = self._route(

@@ -23,6 +23,7 @@ from umbp_redis.store.plane import (
     LoadedCallback,
     LoadStatus,
     LookupEncoder,
+    PartCallback,
     RedisDataPlane,
     StoreStatus,
 )
@@ -58,8 +59,10 @@ class DataPlane(Protocol):
         *,
         skip_existing: bool = False,
         ttl_seconds: int | None = None,
+        parts: Sequence[int] | None = None,
     ) -> list[StoreStatus]:
-        """Per-key store outcome, in order."""
+        """Per-key store outcome, in order; ``parts`` splits each value (see
+        ``RedisDataPlane.store``)."""
         ...
 
     def load(
@@ -69,10 +72,13 @@ class DataPlane(Protocol):
         *,
         deadline: float | None = None,
         on_loaded: LoadedCallback | None = None,
+        parts: Sequence[int] | None = None,
+        on_part: PartCallback | None = None,
     ) -> list[LoadStatus]:
         """Per-key load outcome, in order; with ``deadline`` (monotonic seconds) the call
         ends by then (keys not read are ``ERROR``); ``on_loaded`` gets the indices of
-        valid keys a batch at a time while later ones are still arriving."""
+        valid keys a batch at a time while later ones are still arriving; ``parts`` and
+        ``on_part``: a part at a time (see ``RedisDataPlane.load``)."""
         ...
 
     def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
@@ -268,12 +274,15 @@ class PendingPlane:
         *,
         skip_existing: bool = False,
         ttl_seconds: int | None = None,
+        parts: Sequence[int] | None = None,
     ) -> list[StoreStatus]:
         """The inner plane's stores; all ``ERROR`` while pending."""
         inner = self._inner
         if inner is None:
             return [StoreStatus.ERROR] * len(items)
-        return inner.store(items, fingerprint, skip_existing=skip_existing, ttl_seconds=ttl_seconds)
+        return inner.store(
+            items, fingerprint, skip_existing=skip_existing, ttl_seconds=ttl_seconds, parts=parts
+        )
 
     def load(
         self,
@@ -282,12 +291,21 @@ class PendingPlane:
         *,
         deadline: float | None = None,
         on_loaded: LoadedCallback | None = None,
+        parts: Sequence[int] | None = None,
+        on_part: PartCallback | None = None,
     ) -> list[LoadStatus]:
         """The inner plane's loads; all ``ERROR`` while pending."""
         inner = self._inner
         if inner is None:
             return [LoadStatus.ERROR] * len(items)
-        return inner.load(items, fingerprint, deadline=deadline, on_loaded=on_loaded)
+        return inner.load(
+            items,
+            fingerprint,
+            deadline=deadline,
+            on_loaded=on_loaded,
+            parts=parts,
+            on_part=on_part,
+        )
 
     def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
         """The inner plane's delete; 0 while pending."""

@@ -47,10 +47,14 @@ from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.thread_affinity import thread_pinner
 from umbp_redis.store.value_format import (
     HEADER_SIZE,
+    MAX_PARTS,
     InvalidValue,
+    PartPlacement,
+    ValueHeader,
+    body_field,
     checksum_of_pieces,
     decode_header,
-    encode_header,
+    encode_value,
     validate_header,
 )
 
@@ -59,6 +63,10 @@ T = TypeVar("T")
 
 # Called with the indices of keys a load found valid, a batch at a time (see ``load``).
 LoadedCallback = Callable[[list[int]], None]
+# Called with a part number and the indices of keys whose part it is done with (``load``).
+PartCallback = Callable[[int, list[int]], None]
+# The longest header field a value of payload n may have: header, part table, n tail bytes.
+_MAX_TABLE = 4 + 8 * MAX_PARTS
 
 
 def target_views(target: Buffer | list[Buffer]) -> list[memoryview]:
@@ -93,6 +101,23 @@ def _read_into_pieces(reader: Any, pieces: Sequence[memoryview], n: int) -> None
         heads.append(p[:take])
         n -= take
     reader.read_exact_into_pieces(heads)
+
+
+def _span(pieces: Sequence[memoryview], offset: int, n: int) -> list[memoryview]:
+    """Views of payload bytes ``offset .. offset + n`` across ``pieces``."""
+    if len(pieces) == 1:
+        return [pieces[0][offset : offset + n]]
+    out = []
+    pos = 0
+    for p in pieces:
+        end = pos + p.nbytes
+        if n > 0 and end > offset:
+            start = offset - pos
+            take = min(p.nbytes - start, n)
+            out.append(p[start : start + take])
+            offset, n = offset + take, n - take
+        pos = end
+    return out
 
 
 def _write_at(pieces: Sequence[memoryview], offset: int, data: bytes) -> None:
@@ -326,8 +351,36 @@ def _error_status(err: ErrorReply) -> StoreStatus:
     return StoreStatus.OOM if isinstance(err.exc, RedisOOMError) else StoreStatus.ERROR
 
 
-def _hmget_cmd(k: bytes) -> bytes:
-    return b"*4\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n$1\r\nb\r\n" % (len(k), k)
+def _hmget_cmd(k: bytes, parts: int = 1) -> bytes:
+    """HMGET of a value's header field and its ``parts`` body fields."""
+    fields = b"".join(b"$%d\r\n%s\r\n" % (len(f), f) for f in (body_field(i) for i in range(parts)))
+    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s" % (
+        parts + 3,
+        len(k),
+        k,
+        fields,
+    )
+
+
+def _hmget_part_cmd(k: bytes, part: int) -> bytes:
+    """HMGET of body field ``part`` (>= 1) alone."""
+    f = body_field(part)
+    return b"*3\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(f), f)
+
+
+def _part_count(parts: Sequence[int] | None) -> int:
+    return len(parts) if parts is not None and len(parts) > 1 else 1
+
+
+@dataclass
+class _ValueRead:
+    """What a load knows of one value while its fields arrive: its header (once read)
+    and its final status (None while it may still load)."""
+
+    field_h: bytes = b""
+    header: ValueHeader | None = None
+    places: list[PartPlacement] = field(default_factory=list)
+    status: LoadStatus | RedisRedirectError | None = None
 
 
 def _groups(sizes: Sequence[int], budget: int) -> list[range]:
@@ -566,18 +619,21 @@ class RedisDataPlane:
         *,
         skip_existing: bool = False,
         ttl_seconds: int | None = None,
+        parts: Sequence[int] | None = None,
     ) -> list[StoreStatus]:
         """Write each (key, payload) with a TTL; per-key status, in order.
 
         A key is written with its TTL or not at all (one transaction per object).
         The payload buffers are read during the call only and are sent as memoryviews
         (no copy). With ``skip_existing`` one extra round trip first re-arms the TTL of
-        keys already present and their values are not sent again.
+        keys already present and their values are not sent again. ``parts`` (lengths
+        adding up to every payload's) writes each value in that many body fields
+        (``value_format`` version 3), so it can be loaded a part at a time.
         """
         if not items:
             return []
         raw = self.store_raw(
-            items, fingerprint, skip_existing=skip_existing, ttl_seconds=ttl_seconds
+            items, fingerprint, skip_existing=skip_existing, ttl_seconds=ttl_seconds, parts=parts
         )
         done = [StoreStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
         record_stores(self.stats, items, done)
@@ -591,6 +647,7 @@ class RedisDataPlane:
         skip_existing: bool = False,
         ttl_seconds: int | None = None,
         asking: bool = False,
+        parts: Sequence[int] | None = None,
     ) -> list[StoreStatus | RedisRedirectError]:
         """``store`` without counting, a ``MOVED``/``ASK`` answer returned as its error
         (for the cluster client); with ``asking`` each object is preceded by ``ASKING``."""
@@ -614,7 +671,7 @@ class RedisDataPlane:
         results = self._fan_out(
             len(sub),
             total,
-            lambda rng: self._store_range(sub, rng, fingerprint, ttl, asking),
+            lambda rng: self._store_range(sub, rng, fingerprint, ttl, asking, parts),
             error,
         )
         for i, st in zip(todo, results, strict=True):
@@ -644,6 +701,7 @@ class RedisDataPlane:
         fingerprint: bytes,
         ttl: bytes,
         asking: bool = False,
+        parts: Sequence[int] | None = None,
     ) -> list[StoreStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
@@ -652,7 +710,7 @@ class RedisDataPlane:
             return self._windowed(
                 groups,
                 lambda g: self._send_stores(
-                    conn, [sub[idx[j]] for j in g], fingerprint, ttl, asking
+                    conn, [sub[idx[j]] for j in g], fingerprint, ttl, asking, parts
                 ),
                 lambda g: self._read_stores(conn, len(g), asking),
             )
@@ -664,6 +722,7 @@ class RedisDataPlane:
         fingerprint: bytes,
         ttl: bytes,
         asking: bool = False,
+        parts: Sequence[int] | None = None,
     ) -> None:
         # Each object is MULTI, HSET, EXPIRE, EXEC: the server applies the value and its
         # TTL together or not at all (a connection lost mid-batch leaves no key without
@@ -672,16 +731,23 @@ class RedisDataPlane:
         with_checksum = self.settings.checksum
         pending_small = bytearray()
         multi = _ASKING + _MULTI if asking else _MULTI
+        nargs = 4 + 2 * _part_count(parts)
         for key, payload in group:
-            field_h, body_len = encode_header(
-                fingerprint, payload, key, with_checksum=with_checksum
+            field_h, bodies = encode_value(
+                fingerprint, payload, key, with_checksum=with_checksum, parts=parts
             )
             pending_small += multi + (
-                b"*6\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n$1\r\nb\r\n%s"
-                % (len(key), key, bulk_prefix(len(field_h)), field_h, bulk_prefix(body_len))
+                b"*%d\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n"
+                % (nargs, len(key), key, bulk_prefix(len(field_h)), field_h)
             )
-            bufs.append(bytes(pending_small))
-            bufs.append(payload[:body_len])
+            for i, (offset, body_len) in enumerate(bodies):
+                f = body_field(i)
+                if i:
+                    pending_small += b"\r\n"
+                pending_small += b"$%d\r\n%s\r\n%s" % (len(f), f, bulk_prefix(body_len))
+                bufs.append(bytes(pending_small))
+                bufs.append(payload[offset : offset + body_len])
+                pending_small = bytearray()
             pending_small = bytearray(b"\r\n" + _expire_cmd(key, ttl) + _EXEC)
         bufs.append(bytes(pending_small))
         send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
@@ -727,6 +793,8 @@ class RedisDataPlane:
         *,
         deadline: float | None = None,
         on_loaded: LoadedCallback | None = None,
+        parts: Sequence[int] | None = None,
+        on_part: PartCallback | None = None,
     ) -> list[LoadStatus]:
         """Read each key into its destination (a buffer, or a list of buffers that take
         consecutive pieces of the payload: see ``target_views``); per-key status, in order.
@@ -737,13 +805,22 @@ class RedisDataPlane:
         threads, while later replies are still arriving), before the call returns; a key
         reported there can still end ``ERROR`` if its connection fails later.
 
+        ``parts`` is how the values are split (as ``store`` wrote them); a value split
+        otherwise is ``INVALID``. With ``on_part`` (and several parts) part ``i`` of
+        every key of a connection is read before part ``i + 1`` of any, and
+        ``on_part(i, indices)`` is called once those keys' part ``i`` has been received
+        (or found failed): their destinations hold that part's bytes, but a key is
+        proven valid only by its final status (the checksum covers the whole payload).
+
         A destination's content is meaningful only where the status is ``LOADED``: a
         value that fails validation is reported ``INVALID`` and a missing key
         ``MISSING``; a connection failure marks the keys of that connection ``ERROR``.
         """
         if not items:
             return []
-        raw = self.load_raw(items, fingerprint, deadline=deadline, on_loaded=on_loaded)
+        raw = self.load_raw(
+            items, fingerprint, deadline=deadline, on_loaded=on_loaded, parts=parts, on_part=on_part
+        )
         results = [LoadStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
         record_loads(self.stats, items, results)
         return results
@@ -756,6 +833,8 @@ class RedisDataPlane:
         asking: bool = False,
         deadline: float | None = None,
         on_loaded: LoadedCallback | None = None,
+        parts: Sequence[int] | None = None,
+        on_part: PartCallback | None = None,
     ) -> list[LoadStatus | RedisRedirectError]:
         """``load`` without counting, a ``MOVED``/``ASK`` answer returned as its error
         (for the cluster client); with ``asking`` each ``HMGET`` follows an ``ASKING``."""
@@ -765,10 +844,14 @@ class RedisDataPlane:
         sub = [(_key_bytes(k), dests[i]) for i, (k, _) in enumerate(items)]
         total = sum(_views_nbytes(d) for d in dests)
         error: LoadStatus | RedisRedirectError = LoadStatus.ERROR
+        split = tuple(parts) if parts is not None and len(parts) > 1 else None
+        by_part = on_part if split is not None else None
         return self._fan_out(
             len(sub),
             total,
-            lambda rng: self._load_range(sub, rng, fingerprint, asking, deadline, on_loaded),
+            lambda rng: self._load_range(
+                sub, rng, fingerprint, asking, deadline, on_loaded, split, by_part
+            ),
             error,
         )
 
@@ -780,15 +863,27 @@ class RedisDataPlane:
         asking: bool = False,
         deadline: float | None = None,
         on_loaded: LoadedCallback | None = None,
+        parts: tuple[int, ...] | None = None,
+        on_part: PartCallback | None = None,
     ) -> list[LoadStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
+        pre = _ASKING if asking else b""
+        if parts is not None and on_part is not None:
+            return self._load_range_by_part(
+                sub, idx, fingerprint, pre, deadline, on_loaded, parts, on_part
+            )
+        nparts = _part_count(parts)
 
         def read(conn: RedisConnection, g: range) -> list[LoadStatus | RedisRedirectError]:
-            res = [
-                self._read_load(conn, sub[idx[j]][0], sub[idx[j]][1], fingerprint, asking)
-                for j in g
-            ]
+            res = []
+            for j in g:
+                key, dest = sub[idx[j]]
+                v = _ValueRead()
+                if self._read_fields(conn, key, dest, fingerprint, parts, v, 0, nparts, pre):
+                    self._finish_value(dest, v)
+                assert v.status is not None
+                res.append(v.status)
             if on_loaded is not None:
                 done = [idx[j] for j, st in zip(g, res, strict=True) if st is LoadStatus.LOADED]
                 if done:
@@ -796,30 +891,97 @@ class RedisDataPlane:
             return res
 
         groups = _groups([_views_nbytes(sub[i][1]) + 128 for i in idx], window)
-        pre = _ASKING if asking else b""
         with self.pool.connection(deadline=deadline) as conn:
             return self._windowed(
                 groups,
                 lambda g: send_buffers(
                     conn.sock,
-                    [b"".join(pre + _hmget_cmd(sub[idx[j]][0]) for j in g)],
+                    [b"".join(pre + _hmget_cmd(sub[idx[j]][0], nparts) for j in g)],
                     use_sendmsg=False,
                     deadline=deadline,
                 ),
                 lambda g: read(conn, g),
             )
 
-    def _read_load(
+    def _load_range_by_part(
+        self,
+        sub: Sequence[tuple[bytes, list[memoryview]]],
+        idx: list[int],
+        fingerprint: bytes,
+        pre: bytes,
+        deadline: float | None,
+        on_loaded: LoadedCallback | None,
+        parts: tuple[int, ...],
+        on_part: PartCallback,
+    ) -> list[LoadStatus | RedisRedirectError]:
+        """Part 0 (with the header) of every key, then part 1 of every key, ...; reports
+        each part through ``on_part`` once this connection's keys have it."""
+        window = max(1, self.settings.max_inflight_bytes // 2)
+        units = [(p, j) for p in range(len(parts)) for j in range(len(idx))]
+        state = [_ValueRead() for _ in idx]
+        last = len(idx) - 1
+
+        def command(p: int, j: int) -> bytes:
+            key = sub[idx[j]][0]
+            return pre + (_hmget_cmd(key, 1) if p == 0 else _hmget_part_cmd(key, p))
+
+        def read(conn: RedisConnection, g: range) -> list[None]:
+            for u in g:
+                p, j = units[u]
+                key, dest = sub[idx[j]]
+                self._read_fields(conn, key, dest, fingerprint, parts, state[j], p, 1, pre)
+                if j == last:  # a key sent elsewhere (MOVED, ASK) is reported from there
+                    on_part(
+                        p,
+                        [
+                            i
+                            for i, st in zip(idx, state, strict=True)
+                            if not isinstance(st.status, RedisRedirectError)
+                        ],
+                    )
+            return []
+
+        groups = _groups([parts[p] + 128 for p, _ in units], window)
+        with self.pool.connection(deadline=deadline) as conn:
+            self._windowed(
+                groups,
+                lambda g: send_buffers(
+                    conn.sock,
+                    [b"".join(command(*units[u]) for u in g)],
+                    use_sendmsg=False,
+                    deadline=deadline,
+                ),
+                lambda g: read(conn, g),
+            )
+        out: list[LoadStatus | RedisRedirectError] = []
+        for (_, dest), v in zip((sub[i] for i in idx), state, strict=True):
+            if v.status is None:
+                self._finish_value(dest, v)
+            assert v.status is not None
+            out.append(v.status)
+        if on_loaded is not None:
+            done = [i for i, st in zip(idx, out, strict=True) if st is LoadStatus.LOADED]
+            if done:
+                on_loaded(done)
+        return out
+
+    def _read_fields(
         self,
         conn: RedisConnection,
         key: bytes,
         dest: list[memoryview],
         fingerprint: bytes,
-        asking: bool = False,
-    ) -> LoadStatus | RedisRedirectError:
+        parts: tuple[int, ...] | None,
+        v: _ValueRead,
+        first: int,
+        count: int,
+        pre: bytes,
+    ) -> bool:
+        """Read one HMGET reply holding body fields ``first .. first + count - 1`` of a
+        value (and, when ``first`` is 0, its header field before them) into ``dest``;
+        whatever is wrong is recorded in ``v.status``. True while the value may load."""
         r = conn.reader
-        size = _views_nbytes(dest)
-        if asking:
+        if pre:
             r.read_reply()  # ASKING's +OK
         n = r.read_array_header()
         if isinstance(n, ErrorReply):
@@ -827,16 +989,56 @@ class RedisDataPlane:
             # bytes, so nothing is known about the value: an error, never "invalid".
             if isinstance(n.exc, RedisLoadingError):
                 raise n.exc
-            if isinstance(n.exc, RedisRedirectError):
-                return n.exc
-            self._note_refusals([n], "HMGET")
-            return LoadStatus.ERROR
-        if n != 2:
+            if v.status is None:
+                if isinstance(n.exc, RedisRedirectError):
+                    v.status = n.exc
+                else:
+                    self._note_refusals([n], "HMGET")
+                    v.status = LoadStatus.ERROR
+            return False
+        if n != count + (first == 0):
             raise RedisDataPlaneError(f"HMGET returned {n} fields")
+        part = first
+        if first == 0:
+            self._read_header(r, key, dest, fingerprint, parts, v)
+            part, count = 1, count - 1
+        for i in range(part, part + count):
+            blen = r.read_bulk_header()
+            if isinstance(blen, ErrorReply):
+                raise RedisDataPlaneError(blen.message)
+            if v.status is not None:
+                if blen >= 0:
+                    r.skip(blen + 2)
+                continue
+            if blen < 0:  # gone since its header was read: nothing known of a new one
+                v.status = LoadStatus.ERROR
+                continue
+            place = v.places[i]
+            if blen != place.body_len:
+                log.debug(
+                    "invalid value: body field %d is %d bytes, not %d", i, blen, place.body_len
+                )
+                r.skip(blen + 2)
+                v.status = LoadStatus.INVALID
+                continue
+            self._receive_part(r, dest, v, place)
+        return v.status is None
+
+    def _read_header(
+        self,
+        r: Any,
+        key: bytes,
+        dest: list[memoryview],
+        fingerprint: bytes,
+        parts: tuple[int, ...] | None,
+        v: _ValueRead,
+    ) -> None:
+        """Read a value's header field and first body field into ``v`` and ``dest``."""
+        size = _views_nbytes(dest)
         hlen = r.read_bulk_header()
         if isinstance(hlen, ErrorReply):
             raise RedisDataPlaneError(hlen.message)
-        too_long = hlen > HEADER_SIZE + size
+        too_long = hlen > HEADER_SIZE + _MAX_TABLE + size
         field_h = None if hlen < 0 or too_long else r.read_exact(hlen + 2)[:-2]
         if too_long:
             r.skip(hlen + 2)
@@ -846,8 +1048,10 @@ class RedisDataPlane:
         if field_h is None:
             if blen >= 0:
                 r.skip(blen + 2)
-                return LoadStatus.INVALID
-            return LoadStatus.INVALID if too_long else LoadStatus.MISSING
+                v.status = LoadStatus.INVALID
+            else:
+                v.status = LoadStatus.INVALID if too_long else LoadStatus.MISSING
+            return
         try:
             if blen < 0:
                 raise InvalidValue("body field missing")
@@ -859,20 +1063,37 @@ class RedisDataPlane:
                 body_field_len=blen,
                 key=key,
                 require_checksum=self.settings.checksum,
+                parts=parts,
             )
         except InvalidValue as e:
             log.debug("invalid value: %s", e)
             if blen >= 0:
                 r.skip(blen + 2)
-            return LoadStatus.INVALID
-        _read_into_pieces(r, dest, blen)
+            v.status = LoadStatus.INVALID
+            return
+        v.field_h, v.header, v.places = bytes(field_h), hdr, hdr.part_layout()
+        self._receive_part(r, dest, v, v.places[0])
+
+    @staticmethod
+    def _receive_part(r: Any, dest: list[memoryview], v: _ValueRead, place: PartPlacement) -> None:
+        """Receive one body field (its length already read and checked) into its place
+        in ``dest``, and put the part's tail after it."""
+        _read_into_pieces(r, _span(dest, place.offset, place.body_len), place.body_len)
         r.expect_crlf()
-        if hdr.tail_len:
-            _write_at(dest, blen, field_h[HEADER_SIZE:])
+        if place.tail_len:
+            tail = v.field_h[place.tail_at : place.tail_at + place.tail_len]
+            _write_at(dest, place.offset + place.body_len, tail)
+
+    @staticmethod
+    def _finish_value(dest: list[memoryview], v: _ValueRead) -> None:
+        """Final status of a value whose every field was received: its checksum decides."""
+        hdr = v.header
+        assert hdr is not None
         if hdr.has_checksum and checksum_of_pieces(dest) != hdr.checksum:
             log.debug("checksum mismatch")
-            return LoadStatus.INVALID
-        return LoadStatus.LOADED
+            v.status = LoadStatus.INVALID
+        else:
+            v.status = LoadStatus.LOADED
 
     # -- misc -------------------------------------------------------------------------
 

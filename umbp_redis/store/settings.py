@@ -204,6 +204,17 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0.001,
     ),
     Option(
+        "load_by_layer",
+        bool,
+        True,
+        "Run a sync load alongside the step's forward pass, a part (a few layers) of "
+        "every block at a time: each attention layer waits only until its own layers' "
+        "bytes are in (values stored in parts, see docs/architecture.md). Values are "
+        "still validated whole; a step whose sync load failed has its output for that "
+        "request discarded by vLLM and stores nothing. false: the whole load runs before "
+        "the forward pass.",
+    ),
+    Option(
         "save_decode_cache",
         bool,
         False,

@@ -1,30 +1,42 @@
-"""The stored value format: a Redis hash of a small header field and a large body field.
+"""The stored value format: a Redis hash of a small header field and the payload's body fields.
 
-A KV object of ``payload_len`` bytes is stored under one key as a hash with two fields:
+A KV object of ``payload_len`` bytes is stored under one key as a hash. Version 2 (one
+part) has two fields:
 
-* ``h``: a 48-byte header followed by the payload's last ``tail_len`` bytes;
+* ``h``: a 64-byte header followed by the payload's last ``tail_len`` bytes;
 * ``b``: the payload's first ``body_len`` bytes.
 
-``body_len`` is chosen so that the body's server-side allocation fills a jemalloc size
-class exactly: for a power-of-two payload it is ``payload_len - 16``. Stored as one
-string, a 2^n-byte payload (plus any header) lands in the next size class and costs
-about 1.25x; split this way the object costs its payload plus a few hundred bytes.
+Version 3 splits the payload into consecutive parts (the layers of a layout, in the
+order the forward pass reads them: see ``KVLayoutDescriptor.part_lengths``), so that a
+reader can fetch part ``i`` of many objects before part ``i + 1`` of any:
+
+* ``h``: the 64-byte header, the part table (u32 count ``n``, then ``n`` u64 part
+  lengths), then each part's tail, in part order;
+* ``b``, ``b1`` ... ``b{n-1}``: each part's body (its first bytes).
+
+A body's length is ``body_length(part length)``: chosen so that the body's server-side
+allocation fills a jemalloc size class exactly (for a power-of-two part it is
+``part - 16``). Stored as one string, a 2^n-byte payload (plus any header) lands in the
+next size class and costs about 1.25x; split this way an object costs its payload plus
+a few hundred bytes.
 
 Header (little-endian)::
 
     offset size field
     0      4    magic  b"UMBP"
-    4      2    format version (2)
+    4      2    format version (2: one part, 3: parts)
     6      2    flags (bit 0: checksum present)
     8      16   layout fingerprint of the object
     24     8    payload length
-    32     8    body length (length of field b)
-    40     8    xxh3-64 of the payload (0 without checksum)
+    32     8    body length (all body fields together)
+    40     8    xxh3-64 of the whole payload (0 without checksum)
     48     16   key digest: xxh3-128 of the full key the value was written under
 
 The key digest binds a value to its identity (namespace, rank labels, cache group and
 block hash are all in the key): a value copied or renamed to another key fails
-validation there. A reader that requires checksums rejects a value without one.
+validation there. A reader that requires checksums rejects a value without one; the
+checksum covers the whole payload, so parts of two different writes of one key never
+pass together.
 """
 
 from __future__ import annotations
@@ -37,15 +49,25 @@ import xxhash
 
 MAGIC = b"UMBP"
 FORMAT_VERSION = 2
+PARTS_FORMAT_VERSION = 3
 FLAG_CHECKSUM = 1
 HEADER = struct.Struct("<4sHH16sQQQ16s")
 HEADER_SIZE = HEADER.size  # 64
 KEY_DIGEST_SIZE = 16
 HEADER_FIELD = b"h"
 BODY_FIELD = b"b"
+_COUNT = struct.Struct("<I")
+_LENGTH = struct.Struct("<Q")
+# Parts a value may have (a header with more is not one of ours).
+MAX_PARTS = 64
 # Bytes the server adds to a string allocation (sds header and terminator), rounded up.
 _SDS_SLACK = 16
 _SPLIT_MIN = 4096
+
+
+def body_field(part: int) -> bytes:
+    """The hash field holding part ``part``'s body: ``b``, ``b1``, ``b2`` ..."""
+    return BODY_FIELD if part == 0 else b"b%d" % part
 
 
 class InvalidValue(ValueError):
@@ -96,6 +118,7 @@ class ValueHeader:
     body_len: int
     checksum: int
     key_digest: bytes = b""
+    parts: tuple[int, ...] = ()  # each part's payload length (version 3)
 
     @property
     def has_checksum(self) -> bool:
@@ -104,22 +127,82 @@ class ValueHeader:
 
     @property
     def tail_len(self) -> int:
-        """Payload bytes that follow the header in field ``h``."""
+        """Payload bytes that follow the header (and part table) in field ``h``."""
         return self.payload_len - self.body_len
+
+    @property
+    def part_lengths(self) -> tuple[int, ...]:
+        """Each part's payload length (one part for version 2)."""
+        return self.parts or (self.payload_len,)
+
+    @property
+    def tails_offset(self) -> int:
+        """Where the tails start in field ``h``."""
+        return HEADER_SIZE + (_COUNT.size + _LENGTH.size * len(self.parts) if self.parts else 0)
+
+    def part_layout(self) -> list[PartPlacement]:
+        """Where each part's body and tail go in the payload and in field ``h``."""
+        if not self.parts:
+            return [PartPlacement(0, self.body_len, self.tail_len, HEADER_SIZE)]
+        return part_placements(self.parts, self.tails_offset)
+
+
+@dataclass(frozen=True)
+class PartPlacement:
+    """One part of a value: its payload offset, body length (field ``body_field``) and
+    tail, which is ``h[tail_at : tail_at + tail_len]`` and lands right after the body."""
+
+    offset: int
+    body_len: int
+    tail_len: int
+    tail_at: int
+
+
+def part_placements(lengths: Sequence[int], tails_offset: int) -> list[PartPlacement]:
+    """The placements of parts of ``lengths`` whose tails start at ``tails_offset`` of h."""
+    out = []
+    off, at = 0, tails_offset
+    for n in lengths:
+        body = body_length(n)
+        out.append(PartPlacement(off, body, n - body, at))
+        off += n
+        at += n - body
+    return out
 
 
 def encode_header(
     fingerprint: bytes, payload: memoryview, key: bytes, *, with_checksum: bool
 ) -> tuple[bytes, int]:
     """The ``h`` field for ``payload`` stored under ``key`` (header plus tail), body length."""
+    field_h, bodies = encode_value(fingerprint, payload, key, with_checksum=with_checksum)
+    return field_h, bodies[0][1]
+
+
+def encode_value(
+    fingerprint: bytes,
+    payload: memoryview,
+    key: bytes,
+    *,
+    with_checksum: bool,
+    parts: Sequence[int] | None = None,
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """The ``h`` field for ``payload`` stored under ``key``, and each body field's
+    (payload offset, length) in part order. ``parts`` (lengths adding up to the
+    payload's) splits it into version 3 parts; None or one part writes version 2."""
     if len(fingerprint) != 16:
         raise ValueError("layout fingerprint must be 16 bytes")
     n = payload.nbytes
-    body = body_length(n)
+    lengths = tuple(parts) if parts is not None and len(parts) > 1 else (n,)
+    if sum(lengths) != n or min(lengths) <= 0 or len(lengths) > MAX_PARTS:
+        raise ValueError(f"parts {lengths} do not split a payload of {n} bytes")
+    split = len(lengths) > 1
+    table = _COUNT.pack(len(lengths)) + b"".join(_LENGTH.pack(x) for x in lengths) if split else b""
+    placed = part_placements(lengths, HEADER_SIZE + len(table))
+    body = sum(p.body_len for p in placed)
     csum = checksum(payload) if with_checksum else 0
     head = HEADER.pack(
         MAGIC,
-        FORMAT_VERSION,
+        PARTS_FORMAT_VERSION if split else FORMAT_VERSION,
         FLAG_CHECKSUM if with_checksum else 0,
         fingerprint,
         n,
@@ -127,7 +210,11 @@ def encode_header(
         csum,
         key_digest(key),
     )
-    return head + payload[body:].tobytes(), body
+    tails = b"".join(
+        payload[p.offset + p.body_len : p.offset + p.body_len + p.tail_len].tobytes()
+        for p in placed
+    )
+    return head + table + tails, [(p.offset, p.body_len) for p in placed]
 
 
 def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
@@ -137,15 +224,29 @@ def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
     if bytes(field_h[:4]) != MAGIC:
         raise InvalidValue(f"bad magic {bytes(field_h[:4])!r}")
     version = int.from_bytes(field_h[4:6], "little")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, PARTS_FORMAT_VERSION):
         raise InvalidValue(f"unsupported format version {version}")
     magic, version, flags, fp, plen, blen, csum, kd = HEADER.unpack_from(field_h, 0)
     if blen > plen:
         raise InvalidValue(f"body length {blen} exceeds payload length {plen}")
-    hdr = ValueHeader(version, flags, bytes(fp), plen, blen, csum, bytes(kd))
-    if len(field_h) != HEADER_SIZE + hdr.tail_len:
+    parts: tuple[int, ...] = ()
+    if version == PARTS_FORMAT_VERSION:
+        if len(field_h) < HEADER_SIZE + _COUNT.size:
+            raise InvalidValue("header field ends before its part table")
+        (count,) = _COUNT.unpack_from(field_h, HEADER_SIZE)
+        end = HEADER_SIZE + _COUNT.size + _LENGTH.size * count
+        if not 2 <= count <= MAX_PARTS or len(field_h) < end:
+            raise InvalidValue(f"bad part table of {count} parts")
+        parts = struct.unpack_from(f"<{count}Q", field_h, HEADER_SIZE + _COUNT.size)
+        if sum(parts) != plen or min(parts) <= 0:
+            raise InvalidValue(f"parts {parts} do not add up to the payload length {plen}")
+        if sum(body_length(n) for n in parts) != blen:
+            raise InvalidValue(f"body length {blen} does not match the parts {parts}")
+    hdr = ValueHeader(version, flags, bytes(fp), plen, blen, csum, bytes(kd), tuple(parts))
+    if len(field_h) != hdr.tails_offset + hdr.tail_len:
         raise InvalidValue(
-            f"header field holds {len(field_h) - HEADER_SIZE} tail bytes, expected {hdr.tail_len}"
+            f"header field holds {len(field_h) - hdr.tails_offset} tail bytes, "
+            f"expected {hdr.tail_len}"
         )
     return hdr
 
@@ -158,10 +259,12 @@ def validate_header(
     body_field_len: int,
     key: bytes,
     require_checksum: bool,
+    parts: Sequence[int] | None = None,
 ) -> None:
-    """Raise ``InvalidValue`` unless ``hdr`` describes this key's object of this layout and size.
-
-    With ``require_checksum`` a value written without a checksum is invalid too.
+    """Raise ``InvalidValue`` unless ``hdr`` describes this key's object of this layout,
+    size and split into ``parts`` (None: one part), its first body field being
+    ``body_field_len`` bytes. With ``require_checksum`` a value written without a
+    checksum is invalid too.
     """
     if hdr.key_digest != key_digest(key):
         raise InvalidValue("key digest differs: the value was written under another key")
@@ -173,5 +276,9 @@ def validate_header(
         )
     if hdr.payload_len != payload_len:
         raise InvalidValue(f"payload length {hdr.payload_len}, expected {payload_len}")
-    if hdr.body_len != body_field_len:
-        raise InvalidValue(f"body field is {body_field_len} bytes, header says {hdr.body_len}")
+    want = tuple(parts) if parts is not None and len(parts) > 1 else (payload_len,)
+    if hdr.part_lengths != want:
+        raise InvalidValue(f"parts {hdr.part_lengths}, expected {want}")
+    first = body_length(want[0]) if hdr.parts else hdr.body_len
+    if body_field_len != first:
+        raise InvalidValue(f"body field is {body_field_len} bytes, header says {first}")
