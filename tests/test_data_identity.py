@@ -186,6 +186,20 @@ def test_namespace_inputs_are_json(model_config: ModelConfig) -> None:
     assert "FullAttentionSpec" in blob and "LBHNC" in blob
 
 
+def test_another_part_split_rule_is_another_namespace(
+    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engines that split objects into parts differently (another release) never share
+    keys: each would find the other's values invalid and remove them."""
+    kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC)
+    cfg = make_vllm_config(model_config)
+    before = UMBPNamespace.from_vllm_config(cfg, kv).value
+    monkeypatch.setattr(
+        "umbp_redis.data.namespace.SPLIT_RULE", {"min_part_bytes": 1 << 20, "max_parts": 16}
+    )
+    assert UMBPNamespace.from_vllm_config(cfg, kv).value != before
+
+
 # --- Keys ---------------------------------------------------------------------------
 
 

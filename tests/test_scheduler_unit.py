@@ -995,6 +995,32 @@ def test_auto_load_mode_loads_small_hits_before_the_step_and_large_ones_async(
         make_scheduler(model_config, ScriptedDataPlane(), load_async="sometimes")
 
 
+def test_auto_load_mode_loads_larger_hits_in_the_step_where_every_worker_loads_by_layer(
+    model_config: ModelConfig,
+) -> None:
+    block_bytes = 2 * BS * 2 * 64 * 2 * len(LAYERS)
+    plane = ScriptedDataPlane()
+    s = make_scheduler(
+        model_config,
+        plane,
+        load_async="auto",
+        sync_load_max_bytes=block_bytes,
+        layer_load_max_bytes=4 * block_bytes,
+    )
+    req = request(6 * BS + 10)
+    assert s.codec is not None
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
+    ns = s.codec.namespace
+    by_layer = UMBPHandshakeMetadata(ns, RankTopology(), loads_by_layer=True)
+    whole = UMBPHandshakeMetadata(ns, RankTopology(), loads_by_layer=False)
+    assert s.get_num_new_matched_tokens(req, 0) == (6 * BS, True)  # before any handshake
+    s.adopt_handshake({(0, 0): by_layer, (1, 0): whole})  # not every worker: as before
+    assert s.get_num_new_matched_tokens(req, 2 * BS) == (4 * BS, True)
+    s.adopt_handshake({(0, 0): by_layer, (1, 0): by_layer})
+    assert s.get_num_new_matched_tokens(req, 2 * BS) == (4 * BS, False)  # 4 blocks: by layer
+    assert s.get_num_new_matched_tokens(req, BS) == (5 * BS, True)  # 5: over the limit
+
+
 def test_a_hybrid_model_always_loads_async(model_config: ModelConfig) -> None:
     """vLLM takes failed sync loads only as block ids, which it cannot map to requests
     with several cache groups: every load of such a model is async."""

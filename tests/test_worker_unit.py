@@ -833,3 +833,19 @@ def test_a_load_by_layer_holds_each_layer_up_at_most_until_sync_load_timeout_s(
     th.join()
     assert held < 1.0  # the server slept 2 s; op_timeout_s is 5 s
     assert w.get_block_ids_with_load_errors() == {5, 6, 7, 8}
+
+
+def test_the_handshake_says_whether_sync_loads_run_by_layer(
+    model_config: ModelConfig, redis_url: str
+) -> None:
+    """Host KV caches whose objects are stored in parts load by layer; objects stored
+    whole, or load_by_layer off, do not (the scheduler then keeps large loads async)."""
+    wide, _ = make_worker(model_config, redis_url, heads=WIDE)
+    assert wide.handshake_metadata().loads_by_layer
+    narrow, _ = make_worker(model_config, redis_url)  # 3 layers of 64 KiB: one part
+    assert not narrow.handshake_metadata().loads_by_layer
+    off, _ = make_worker(model_config, redis_url, heads=WIDE, load_by_layer=False)
+    assert not off.handshake_metadata().loads_by_layer
+    staged, _ = make_worker(model_config, redis_url, heads=WIDE)
+    staged.direct_loads = False  # loads through staging, as on a GPU
+    assert not staged.handshake_metadata().loads_by_layer

@@ -12,17 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from umbp_redis.data.namespace import layer_specs
+from umbp_redis.data.parts import split_layers
 from umbp_redis.data.plans import BlockTransferPlan
 from umbp_redis.data.ranges import KVRangeTemplate
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-
-# How an object is split into parts (``KVLayoutDescriptor.part_layers``): every engine
-# of a layout splits alike, so these are part of the stored format, not options.
-MIN_PART_BYTES = 256 << 10
-MAX_PARTS = 16
 
 
 class KVLayoutError(ValueError):
@@ -70,17 +65,10 @@ class KVLayoutDescriptor:
         return self.fingerprint.hex()
 
     def part_layers(self) -> tuple[tuple[str, ...], ...]:
-        """The layers of each part the object is stored in, in object order.
-
-        Consecutive layers, as evenly as layers allow, in as many parts as there are
-        layers, at most ``MAX_PARTS`` and no more than leave ``MIN_PART_BYTES`` a part:
-        a reader can load the first layers of many blocks before the last ones. One
-        part when the object is smaller than two parts' minimum.
-        """
+        """The layers of each part the object is stored in, in object order (see
+        ``umbp_redis.data.parts``)."""
         layers = list(dict.fromkeys(r.layer_name for r in self.regions))
-        count = min(len(layers), MAX_PARTS, max(1, self.object_size // MIN_PART_BYTES))
-        n = len(layers)
-        return tuple(tuple(layers[k * n // count : (k + 1) * n // count]) for k in range(count))
+        return split_layers(layers, self.object_size)
 
     def part_lengths(self) -> tuple[int, ...]:
         """The bytes of each part of ``part_layers`` (they add up to ``object_size``)."""

@@ -91,7 +91,10 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class UMBPHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """Namespace a worker derived, reported to the scheduler at startup."""
+    """Namespace a worker derived, reported to the scheduler at startup;
+    ``loads_by_layer``: whether its sync loads run alongside the forward pass, a part of
+    every block at a time (``load_by_layer``), so that large ones cost the step little."""
 
     namespace: str
     topology: RankTopology
+    loads_by_layer: bool = False

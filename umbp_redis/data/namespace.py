@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from umbp_redis.data.keys import KEY_PREFIX, NAMESPACE_RE
+from umbp_redis.data.parts import SPLIT_RULE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,6 +126,7 @@ def namespace_inputs(
         )
     return {
         "schema": KEY_PREFIX,
+        "object_parts": SPLIT_RULE,
         "model": _model_fingerprint(vllm_config.model_config),
         "weights": weights,
         "block_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "sha256")),

@@ -183,6 +183,9 @@ class UMBPScheduler:
         self.can_store = role in ("kv_producer", "kv_both")
         self.load_mode = options["load_async"]  # "auto", True or False
         self.sync_load_max_bytes = int(options["sync_load_max_bytes"])
+        self.layer_load_max_bytes = int(options["layer_load_max_bytes"])
+        # Every worker's sync loads run by layer (their handshakes say so).
+        self.workers_load_by_layer = False
         self.idle_wait_s = float(options["idle_wait_ms"]) / 1e3
         self.idle_waits = 0  # idle steps that waited for loads in flight
         self.lookup_async = bool(options["lookup_async"])
@@ -312,6 +315,13 @@ class UMBPScheduler:
             log.error("workers reported namespaces %s; disabling lookups", sorted(spaces))
             self.codec = None
             return
+        self.workers_load_by_layer = all(m.loads_by_layer for m in reports)
+        if self.workers_load_by_layer and self.load_mode == "auto":
+            log.info(
+                "umbp-redis: the workers load by layer: loads of at most %d bytes per worker "
+                "run alongside the step's forward pass (layer_load_max_bytes)",
+                self.layer_load_max_bytes,
+            )
         ns = spaces.pop()
         if self.codec is None or self.codec.namespace != ns:
             self.codec = BlockIdentityCodec(ns, self.topology, self.replicated)
@@ -450,14 +460,19 @@ class UMBPScheduler:
 
     def loads_async(self, blocks: int) -> bool:
         """Whether a load of ``blocks`` blocks runs while its request waits (async) or
-        before the step's forward pass (sync): ``load_async`` when set, else sync only
-        for loads of at most ``sync_load_max_bytes`` per worker, whose wait costs less
-        than the engine step an async load keeps its request waiting."""
+        in the step that computes the request (sync): ``load_async`` when set, else
+        sync for loads of at most ``sync_load_max_bytes`` per worker, whose wait costs
+        less than the engine step an async load keeps its request waiting, or of at most
+        ``layer_load_max_bytes`` where every worker loads by layer (the forward pass
+        waits only for the layer it is at)."""
         if not self.sync_loads_possible:
             return True
         if self.load_mode != "auto":
             return bool(self.load_mode)
-        return blocks * self.bytes_per_block > self.sync_load_max_bytes
+        limit = self.sync_load_max_bytes
+        if self.workers_load_by_layer:
+            limit = max(limit, self.layer_load_max_bytes)
+        return blocks * self.bytes_per_block > limit
 
     def _quarantined(self, request: Request, index: int, now: float) -> bool:
         h = self._hash_of_block(request, index)

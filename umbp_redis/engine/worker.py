@@ -225,6 +225,7 @@ class UMBPWorker:
         self._layer_part: dict[str, tuple[int, int]] = {}  # layer -> (group, part)
         self._part_lengths: dict[bytes, tuple[int, ...]] = {}  # by layout fingerprint
         self._layer_wait_logged = False
+        self._receives_in_parts: bool | None = None  # found once the caches are registered
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
@@ -328,7 +329,28 @@ class UMBPWorker:
         return UMBPHandshakeMetadata(
             namespace=self.namespace.value,
             topology=self.topology,
+            loads_by_layer=self.sync_loads_by_layer(),
         )
+
+    def sync_loads_by_layer(self) -> bool:
+        """Whether this worker's sync loads run by layer: ``load_by_layer`` is on, loads
+        receive straight into the KV cache (host memory) and objects are in parts."""
+        if not self.load_by_layer or self.fails_per_request or not self.direct_loads:
+            return False
+        if not self.planner.layouts or self.copier is None:
+            return False  # before register_kv_caches
+        if self._receives_in_parts is None:
+            views_of = getattr(self.copier, "receive_views", None)
+            found = False
+            for gid, lay in self.planner.layouts.items():
+                if len(self._part_lengths[lay.fingerprint]) < 2 or views_of is None:
+                    continue
+                views = views_of(gid, 0)
+                found = found or (
+                    views is not None and sum(v.nbytes for v in views) == lay.object_size
+                )
+            self._receives_in_parts = found
+        return self._receives_in_parts
 
     # -- per step ---------------------------------------------------------------------
 
@@ -379,9 +401,9 @@ class UMBPWorker:
                 self._run_load(batch, False, after)
 
     def _loads_by_layer(self, batch: BlockLoadBatch) -> bool:
-        """Whether a sync load runs alongside the forward pass (its values are stored
-        in several parts)."""
-        if not self.load_by_layer or self.fails_per_request:
+        """Whether a sync load runs alongside the forward pass (host KV caches, values
+        stored in several parts)."""
+        if not self.sync_loads_by_layer():
             return False
         layouts = self.planner.layouts
         return any(

@@ -195,6 +195,16 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "layer_load_max_bytes",
+        int,
+        128 * MiB,
+        "With load_async auto, where every worker loads by layer (load_by_layer, CPU "
+        "engines): the largest load (bytes per worker) that runs by layer in the step "
+        "that computes its request instead of making it wait a step or more. Keep its "
+        "load time well inside sync_load_timeout_s.",
+        minimum=0,
+    ),
+    Option(
         "sync_load_timeout_s",
         (int, float),
         0.5,
