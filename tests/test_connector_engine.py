@@ -619,3 +619,62 @@ def test_hybrid_model_in_lazy_store_mode_stores_on_eviction_and_loads_right_toke
     leak = small["leak"]
     assert leak["staging_in_use"] == 0 and leak["tracked_requests"] == 0
     assert leak["pinned_blocks"] == leak["lazy_pending"]
+
+
+@pytest.fixture(scope="module")
+def wide_model() -> Path:
+    """The tiny Llama with 8 KV heads: 256 KiB a layer's page, so its objects of 2
+    layers are stored in 2 parts and sync loads run by layer."""
+    from conftest import CACHE
+
+    from umbp_redis.ops.tiny_model import TinyModelSpec, build_tiny_llama
+
+    spec = TinyModelSpec(hidden_size=512, num_attention_heads=8, num_kv_heads=8)
+    return build_tiny_llama(CACHE / "tiny-llama-wide", spec)
+
+
+def test_loads_by_layer_in_a_real_engine_give_the_tokens_of_recomputing(
+    work: Path, wide_model: Path
+) -> None:
+    """vLLM's attention layers wait for each layer's part (wait_for_layer_load): a warm
+    engine loading every hit by layer (load_async auto) produces the tokens it computed
+    cold, every load whole and none failed; damaged values fail only their loads, are
+    replaced, and the tokens stay the same."""
+    with EmbeddedRedis() as srv:
+        url = srv.url
+        phases = [
+            {"op": "generate", "name": "cold"},
+            {"op": "count_keys", "url": url, "name": "keys_cold"},
+            {"op": "reset"},
+            {"op": "generate", "name": "warm"},
+            {"op": "load_totals", "name": "after_warm"},
+            {"op": "corrupt", "url": url, "name": "corrupted"},
+            {"op": "reset"},
+            {"op": "generate", "name": "after_corrupt"},
+            {"op": "load_totals", "name": "after_corrupt_loads"},
+            {"op": "validate", "url": url, "name": "valid_after"},
+        ]
+        res = run_engine(
+            work,
+            "by_layer",
+            wide_model,
+            connector(url, load_async="auto"),
+            phases,
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
+        )
+        r = redis.Redis.from_url(url)
+        fields = r.hkeys(next(r.scan_iter(match="umbp:vllm:v1:*")))
+    log = (work / "by_layer.log").read_text()
+    assert "loads of at most" in log and "did not wait for every layer" not in log
+    assert sorted(fields) == [b"b", b"b1", b"h"]  # value format 3: a part per layer
+    cold = tokens(res["cold"])
+    assert tokens(res["warm"]) == cold and tokens(res["after_corrupt"]) == cold
+    for o in res["warm"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    warm = res["after_warm"]
+    assert warm["loads"] >= 1 and warm["sync_loads"] == warm["loads"]
+    assert warm["load_failures"] == 0 and warm["blocks_loaded"] == res["keys_cold"]
+    after = res["after_corrupt_loads"]
+    assert after["load_failures"] >= 1  # the damaged values failed their loads ...
+    # ... and were replaced by good ones.
+    assert res["valid_after"]["valid"] == res["valid_after"]["keys"] == res["keys_cold"]
