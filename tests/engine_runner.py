@@ -99,7 +99,7 @@ def main(spec_path: str) -> None:
         model=spec["model"],
         max_model_len=spec.get("max_model_len", 2048),
         dtype=spec.get("dtype", "bfloat16"),
-        enforce_eager=True,
+        enforce_eager=spec.get("enforce_eager", True),
         tensor_parallel_size=spec.get("tp", 1),
         seed=0,
         **extra,

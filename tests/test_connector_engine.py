@@ -633,13 +633,15 @@ def wide_model() -> Path:
     return build_tiny_llama(CACHE / "tiny-llama-wide", spec)
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_loads_by_layer_in_a_real_engine_give_the_tokens_of_recomputing(
-    work: Path, wide_model: Path
+    work: Path, wide_model: Path, eager: bool
 ) -> None:
-    """vLLM's attention layers wait for each layer's part (wait_for_layer_load): a warm
-    engine loading every hit by layer (load_async auto) produces the tokens it computed
-    cold, every load whole and none failed; damaged values fail only their loads, are
-    replaced, and the tokens stay the same."""
+    """vLLM's attention layers wait for each layer's part (wait_for_layer_load), eager
+    or in vLLM's compiled CPU graph: a warm engine loading every hit by layer
+    (load_async auto) produces the tokens it computed cold, every load whole and none
+    failed; damaged values fail only their loads, are replaced, and the tokens stay the
+    same."""
     with EmbeddedRedis() as srv:
         url = srv.url
         phases = [
@@ -656,15 +658,16 @@ def test_loads_by_layer_in_a_real_engine_give_the_tokens_of_recomputing(
         ]
         res = run_engine(
             work,
-            "by_layer",
+            f"by_layer_{eager}",
             wide_model,
             connector(url, load_async="auto"),
             phases,
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
+            enforce_eager=eager,
         )
         r = redis.Redis.from_url(url)
         fields = r.hkeys(next(r.scan_iter(match="umbp:vllm:v1:*")))
-    log = (work / "by_layer.log").read_text()
+    log = (work / f"by_layer_{eager}.log").read_text()
     assert "loads of at most" in log and "did not wait for every layer" not in log
     assert sorted(fields) == [b"b", b"b1", b"h"]  # value format 3: a part per layer
     cold = tokens(res["cold"])
