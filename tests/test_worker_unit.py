@@ -505,26 +505,35 @@ def test_the_worker_shortens_pythons_thread_switch_interval(
         sys.setswitchinterval(before)
 
 
+def held_while_the_server_sleeps(url: str, run: Any) -> float:
+    """Seconds ``run()`` takes while the server at ``url`` sleeps 2 s (DEBUG SLEEP)."""
+    import redis
+
+    blocker = redis.Redis.from_url(url)
+    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
+    th.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    run()
+    held = time.monotonic() - t0
+    th.join()
+    return held
+
+
 def test_a_sync_load_holds_up_the_step_at_most_sync_load_timeout_s(
     model_config: ModelConfig, own_redis: EmbeddedRedis
 ) -> None:
     """A server that stops answering (here DEBUG SLEEP) holds up a sync load for
     ``sync_load_timeout_s``, not ``op_timeout_s``; its blocks are recomputed."""
-    import redis
 
     stored_source(model_config, own_redis.url, H1, 3, seed=9)
     w, _ = make_worker(model_config, own_redis.url, op_timeout_s=5.0, sync_load_timeout_s=0.3)
     sync = BlockLoadBatch("r", (H1,), (4,), (0,), load_async=False)
     step(w, UMBPConnectorMetadata(loads=[sync]))  # the connection is made, the load works
     assert w.get_block_ids_with_load_errors() == set()
-    blocker = redis.Redis.from_url(own_redis.url)
-    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
-    th.start()
-    time.sleep(0.1)
-    t0 = time.monotonic()
-    step(w, UMBPConnectorMetadata(loads=[sync]))
-    held = time.monotonic() - t0
-    th.join()
+    held = held_while_the_server_sleeps(
+        own_redis.url, lambda: step(w, UMBPConnectorMetadata(loads=[sync]))
+    )
     assert held < 1.0  # the server slept 2 s; op_timeout_s is 5 s
     assert w.get_block_ids_with_load_errors() == {4}
     meta = w.build_worker_meta()
@@ -815,7 +824,6 @@ def test_a_load_by_layer_holds_each_layer_up_at_most_until_sync_load_timeout_s(
 ) -> None:
     """A server that stops answering holds the forward pass's layers up until the
     load's deadline in all, not op_timeout_s; the blocks are recomputed."""
-    import redis
 
     _, _, w, _, hashes = _layered_pair(
         model_config, own_redis.url, op_timeout_s=5.0, sync_load_timeout_s=0.3
@@ -823,14 +831,9 @@ def test_a_load_by_layer_holds_each_layer_up_at_most_until_sync_load_timeout_s(
     load = BlockLoadBatch("r", tuple(hashes), (5, 6, 7, 8), (0,) * 4, load_async=False)
     forward_step(w, UMBPConnectorMetadata(loads=[load]))  # the connections are made
     assert w.get_block_ids_with_load_errors() == set()
-    blocker = redis.Redis.from_url(own_redis.url)
-    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
-    th.start()
-    time.sleep(0.1)
-    t0 = time.monotonic()
-    forward_step(w, UMBPConnectorMetadata(loads=[load]))
-    held = time.monotonic() - t0
-    th.join()
+    held = held_while_the_server_sleeps(
+        own_redis.url, lambda: forward_step(w, UMBPConnectorMetadata(loads=[load]))
+    )
     assert held < 1.0  # the server slept 2 s; op_timeout_s is 5 s
     assert w.get_block_ids_with_load_errors() == {5, 6, 7, 8}
 
