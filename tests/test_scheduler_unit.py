@@ -258,6 +258,34 @@ def test_blocks_already_in_redis_are_not_sent_again(model_config: ModelConfig) -
     assert [list(b.block_ids) for b in meta.stores] == [[3]]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_with_several_ranks_a_sync_loads_step_stores_its_blocks_a_step_later(
+    model_config: ModelConfig, tp: int
+) -> None:
+    """A rank whose sync load failed drops its stores of that step, but with TP the
+    other ranks computed the same blocks from its garbage: the blocks a request computes
+    in the step of its sync load are planned in the next step (when vLLM has rolled a
+    failed request back). One rank plans them at once (its worker drops them itself)."""
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, tp=tp, load_async=False)
+    req = request(4 * BS + 40)
+    assert s.codec is not None
+    plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+    s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
+    meta = s.build_connector_meta(
+        _step(new=[("r1", ([1, 2, 3, 4, 5],), 2 * BS)], sched={"r1": 2 * BS + 40})
+    )
+    assert [b.load_async for b in meta.loads] == [False]
+    now = [list(b.block_ids) for b in meta.stores]
+    later = s.build_connector_meta(_step(cached=[("r1", None, 4 * BS + 40)], sched={"r1": 1}))
+    if tp == 1:
+        assert now == [[3, 4]] and later.stores == []
+    else:
+        assert now == [] and [list(b.block_ids) for b in later.stores] == [[3, 4]]
+
+
 def test_consumer_never_stores_and_preemption_is_forwarded(model_config: ModelConfig) -> None:
     s = make_scheduler(model_config, ScriptedDataPlane(), role="kv_consumer")
     s.get_num_new_matched_tokens(request(600), 0)

@@ -259,6 +259,10 @@ class UMBPScheduler:
         # Per hash length: the codec and lookup mode it was built for, and the encoder.
         self._encoders: dict[int, tuple[BlockIdentityCodec, str, Any]] = {}
         self.num_workers = self.topology.num_rank_namespaces
+        t = self.topology
+        # Several ranks compute each token together: one rank's failed load reaches the
+        # KV every rank computes after it in that step (see _plan_step).
+        self.ranks_share_compute = t.tp_size * t.pp_size * t.pcp_size * t.dcp_size > 1
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[BlockLoadBatch] = []
         self.pinned: dict[int, _PinnedEvent] = {}
@@ -658,15 +662,25 @@ class UMBPScheduler:
             self._update_cached(scheduler_output)
             return
         num_sched = scheduler_output.num_scheduled_tokens
+        # With several ranks, a request's blocks computed in the step of its sync load
+        # are stored from the next step on: a rank whose load failed drops its stores of
+        # that step, but the other ranks' KV of those blocks was computed from its
+        # garbage too (all-reduce, pipeline stages). vLLM rolls a failed request back
+        # before then, so only blocks that loaded right are ever planned.
+        defer = (
+            {b.request_id for b in meta.loads if not b.load_async}
+            if self.ranks_share_compute
+            else set()
+        )
         for new in scheduler_output.scheduled_new_reqs:
             st = self._tracker_blocks(new.req_id, new.block_ids, replace=True)
-            if st is not None:
+            if st is not None and new.req_id not in defer:
                 self._plan_stores(st, new.num_computed_tokens, num_sched.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         self._update_cached(scheduler_output)
         for i, rid in enumerate(cached.req_ids):
             st = self.requests.get(rid)
-            if st is not None:
+            if st is not None and rid not in defer:
                 self._plan_stores(st, cached.num_computed_tokens[i], num_sched.get(rid, 0), meta)
         if self.lazy:
             self._plan_lazy_stores(meta)
