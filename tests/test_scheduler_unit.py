@@ -109,11 +109,13 @@ def make_scheduler(
     plane: ScriptedDataPlane,
     tp: int = 1,
     role: str = "kv_both",
+    async_scheduling: bool = False,
     **extra: Any,
 ) -> UMBPScheduler:
     # Async loads unless a test asks otherwise: most tests here are about lookups.
     extra = {"key_namespace": "unit", "load_async": True, **extra}
     cfg = make_vllm_config(model_config, tp=tp, extra=extra)
+    cfg.scheduler_config.async_scheduling = async_scheduling
     ktc(cfg).kv_role = role  # type: ignore[assignment]
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
     opts = validate_options(ktc(cfg).kv_connector_extra_config)
@@ -258,16 +260,19 @@ def test_blocks_already_in_redis_are_not_sent_again(model_config: ModelConfig) -
     assert [list(b.block_ids) for b in meta.stores] == [[3]]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_with_several_ranks_a_sync_loads_step_stores_its_blocks_a_step_later(
-    model_config: ModelConfig, tp: int
+@pytest.mark.parametrize(("tp", "async_scheduling"), [(1, False), (2, False), (2, True)])
+def test_with_several_ranks_a_sync_loads_step_stores_its_blocks_once_its_outcome_is_in(
+    model_config: ModelConfig, tp: int, async_scheduling: bool
 ) -> None:
     """A rank whose sync load failed drops its stores of that step, but with TP the
     other ranks computed the same blocks from its garbage: the blocks a request computes
-    in the step of its sync load are planned in the next step (when vLLM has rolled a
-    failed request back). One rank plans them at once (its worker drops them itself)."""
+    in the step of its sync load are planned once vLLM has applied that step's output
+    (and rolled a failed request back): the next step, or the one after with async
+    scheduling. One rank plans them at once (its worker drops them itself)."""
     plane = ScriptedDataPlane()
-    s = make_scheduler(model_config, plane, tp=tp, load_async=False)
+    s = make_scheduler(
+        model_config, plane, tp=tp, load_async=False, async_scheduling=async_scheduling
+    )
     req = request(4 * BS + 40)
     assert s.codec is not None
     plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
@@ -278,12 +283,12 @@ def test_with_several_ranks_a_sync_loads_step_stores_its_blocks_a_step_later(
         _step(new=[("r1", ([1, 2, 3, 4, 5],), 2 * BS)], sched={"r1": 2 * BS + 40})
     )
     assert [b.load_async for b in meta.loads] == [False]
-    now = [list(b.block_ids) for b in meta.stores]
-    later = s.build_connector_meta(_step(cached=[("r1", None, 4 * BS + 40)], sched={"r1": 1}))
-    if tp == 1:
-        assert now == [[3, 4]] and later.stores == []
-    else:
-        assert now == [] and [list(b.block_ids) for b in later.stores] == [[3, 4]]
+    planned = [[list(b.block_ids) for b in meta.stores]]
+    for n in range(2):
+        step = _step(cached=[("r1", None, 4 * BS + 40 + n)], sched={"r1": 1})
+        planned.append([list(b.block_ids) for b in s.build_connector_meta(step).stores])
+    wait = 0 if tp == 1 else 2 if async_scheduling else 1
+    assert planned == [[[3, 4]] if i == wait else [] for i in range(3)]
 
 
 def test_consumer_never_stores_and_preemption_is_forwarded(model_config: ModelConfig) -> None:

@@ -108,6 +108,7 @@ class _RequestState:
     load_failed: bool = False  # a load of it failed on a value that would fail again
     load_async: bool = True  # how the hit of the last lookup answer loads
     sync_load_from: int = 0  # the first block its last sync load loaded
+    store_hold: int = 0  # steps its stores wait for its last sync load's outcome
     # Encoded lookup commands of blocks [0, len(lookup_cmds)), built once per block.
     lookup_cmds: list[Any] = field(default_factory=list)
     # The codec and the plane's lookup mode the commands were built with.
@@ -261,8 +262,11 @@ class UMBPScheduler:
         self.num_workers = self.topology.num_rank_namespaces
         t = self.topology
         # Several ranks compute each token together: one rank's failed load reaches the
-        # KV every rank computes after it in that step (see _plan_step).
-        self.ranks_share_compute = t.tp_size * t.pp_size * t.pcp_size * t.dcp_size > 1
+        # KV every rank computes after it in that step (see _plan_step). vLLM applies a
+        # step's output before it schedules the next, or (async scheduling) one later.
+        shared = t.tp_size * t.pp_size * t.pcp_size * t.dcp_size > 1
+        async_sched = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self.sync_load_store_hold = (2 if async_sched else 1) if shared else 0
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[BlockLoadBatch] = []
         self.pinned: dict[int, _PinnedEvent] = {}
@@ -663,27 +667,35 @@ class UMBPScheduler:
             return
         num_sched = scheduler_output.num_scheduled_tokens
         # With several ranks, a request's blocks computed in the step of its sync load
-        # are stored from the next step on: a rank whose load failed drops its stores of
-        # that step, but the other ranks' KV of those blocks was computed from its
-        # garbage too (all-reduce, pipeline stages). vLLM rolls a failed request back
-        # before then, so only blocks that loaded right are ever planned.
-        defer = (
-            {b.request_id for b in meta.loads if not b.load_async}
-            if self.ranks_share_compute
-            else set()
-        )
+        # are stored only once vLLM has applied that step's output: a rank whose load
+        # failed drops its stores of that step, but the other ranks' KV of those blocks
+        # was computed from its garbage too (all-reduce, pipeline stages). By then vLLM
+        # has rolled a failed request back, so only blocks that loaded right are planned.
+        if self.sync_load_store_hold:
+            for b in meta.loads:
+                st = self.requests.get(b.request_id)
+                if st is not None and not b.load_async:
+                    st.store_hold = self.sync_load_store_hold + 1
         for new in scheduler_output.scheduled_new_reqs:
             st = self._tracker_blocks(new.req_id, new.block_ids, replace=True)
-            if st is not None and new.req_id not in defer:
+            if st is not None and not self._held(st):
                 self._plan_stores(st, new.num_computed_tokens, num_sched.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         self._update_cached(scheduler_output)
         for i, rid in enumerate(cached.req_ids):
             st = self.requests.get(rid)
-            if st is not None and rid not in defer:
+            if st is not None and not self._held(st):
                 self._plan_stores(st, cached.num_computed_tokens[i], num_sched.get(rid, 0), meta)
         if self.lazy:
             self._plan_lazy_stores(meta)
+
+    @staticmethod
+    def _held(st: _RequestState) -> bool:
+        """Whether a scheduled request's stores wait this step (``store_hold``)."""
+        if st.store_hold <= 0:
+            return False
+        st.store_hold -= 1
+        return st.store_hold > 0
 
     def _update_cached(self, scheduler_output: SchedulerOutput) -> None:
         cached = scheduler_output.scheduled_cached_reqs
