@@ -18,7 +18,7 @@ load time, from the worker's counters) against ``umbp_gbps`` of the data-plane
 benchmark on 2 MiB objects in the same run (goal >= 0.8x).
 
 Usage: .venv/bin/python benchmarks/warm_ttft_bench.py [--prompts 3] [--words 3000] [--reps 5]
-       [--compare {staging,staging-batch,python-gil,no-idle-wait,async,sync,inherit}]
+       [--compare {staging,staging-batch,python-gil,no-idle-wait,async,sync,whole-sync,inherit}]
        [--busy N] [--executor {inproc,mp}] [--bind {vllm,none}]
 
 ``--compare staging-batch`` makes ``redis`` load through staging too (copying each
@@ -273,6 +273,7 @@ def main() -> None:
             "no-idle-wait",
             "async",
             "sync",
+            "whole-sync",
             "inherit",
         ),
         default="none",
@@ -280,9 +281,11 @@ def main() -> None:
         "path before loads received straight into host KV caches), or one that leaves "
         "Python's 5 ms thread switch interval (gil_switch_interval_ms: 0), or one whose "
         "scheduler never waits in idle steps (idle_wait_ms: 0), or one that loads every "
-        "hit async (load_async: true) or sync (false) where the default (auto) chooses "
-        "by size; staging-batch: redis loads through staging copying each window as it "
-        "arrives, the third engine through staging copying after the whole batch; inherit: "
+        "hit async (load_async: true) or sync (false: by layer where it can) where the "
+        "default (auto) chooses by size; whole-sync: every hit sync and whole, before the "
+        "forward pass (load_by_layer: false); staging-batch: redis loads through staging "
+        "copying each window as it arrives, the third engine through staging copying after "
+        "the whole batch; inherit: "
         "transfer threads stay on the CPUs they start on (transfer_cpus: inherit)",
     )
     ap.add_argument(
@@ -356,6 +359,9 @@ def main() -> None:
         elif args.compare in ("async", "sync"):
             mode = {"load_async": args.compare == "async"}
             staged = Engine(model, server.url, work / "other.log", extra=mode)
+        elif args.compare == "whole-sync":
+            whole = {"load_async": False, "load_by_layer": False}
+            staged = Engine(model, server.url, work / "other.log", extra=whole)
         elif args.compare == "inherit":
             staged = Engine(
                 model, server.url, work / "other.log", extra={"transfer_cpus": "inherit"}
