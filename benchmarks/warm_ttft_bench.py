@@ -407,9 +407,10 @@ def main() -> None:
                 for eng, out in ((redis, engine_load), (staged, staged_load)):
                     if eng is not None:
                         st = eng.ask("stats")
-                        counts = sync_counts.setdefault(id(eng), [0, 0])
+                        counts = sync_counts.setdefault(id(eng), [0, 0, 0.0])
                         counts[0] += int(st.get("sync_loads", 0))
                         counts[1] += int(st.get("loads", 0))
+                        counts[2] += float(st.get("layer_wait_ms", 0.0))
                         if st.get("load_ms_total"):
                             out.append(st["bytes_loaded"] / (st["load_ms_total"] / 1e3) / 1e9)
         finally:
@@ -464,8 +465,13 @@ def main() -> None:
         print(f"load GB/s in the {args.compare} engine: {statistics.median(staged_load):.2f}")
     for name, eng in (("redis", redis), (args.compare, staged)):
         if eng is not None and id(eng) in sync_counts:
-            n_sync, n_all = sync_counts[id(eng)]
+            n_sync, n_all, waited = sync_counts[id(eng)]
             print(f"sync loads in the {name} engine: {n_sync} of {n_all}")
+            if waited:
+                print(
+                    f"  its forward passes waited {waited / max(1, n_sync):.1f} ms a sync load "
+                    "for their layers (loads by layer)"
+                )
 
 
 if __name__ == "__main__":

@@ -67,3 +67,14 @@ def test_cluster_counters_reach_the_log_line_and_prometheus_per_node() -> None:
         "vllm:umbp_cluster_node_failures_by_node_total", {"engine": "0", "node": "10.0.0.1:7000"}
     )
     assert got == 4
+
+
+def test_layer_waits_reach_the_log_line_and_prometheus() -> None:
+    reg, prom = prometheus_metrics()
+    a = UMBPConnectorStats(data={"sync_loads": 2, "layer_wait_ms": 3.456})
+    a.aggregate(UMBPConnectorStats(data={"layer_wait_ms": 1.0}))
+    red = a.reduce()
+    assert red["layer_wait_ms"] == 4.46 and red["sync_loads"] == 2
+    assert "layer_wait_ms" not in UMBPConnectorStats(data={"loads": 1}).reduce()
+    prom.observe({"layer_wait_ms": 4.5}, 0)
+    assert reg.get_sample_value("vllm:umbp_layer_wait_ms_total", {"engine": "0"}) == 4.5

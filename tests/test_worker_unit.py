@@ -767,6 +767,7 @@ def test_a_sync_load_by_layer_lets_each_layer_go_once_its_part_is_in(
     assert w.get_block_ids_with_load_errors() == set()
     counts = w.stats.take()
     assert (counts["blocks_loaded"], counts["sync_loads"]) == (4, 1)
+    assert counts["layer_wait_ms"] > 0  # what the layers waited, for the metrics
     assert w.build_worker_meta() is None
 
 

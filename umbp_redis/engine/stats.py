@@ -42,15 +42,17 @@ class UMBPConnectorStats(KVConnectorStats):
         }
         if d.get("sync_loads"):
             out["sync_loads"] = d["sync_loads"]
+        if d.get("layer_wait_ms"):
+            out["layer_wait_ms"] = round(d["layer_wait_ms"], 2)
         for k in CLUSTER_COUNTERS:
             if d.get(k):
                 out[k] = d[k]
         out["MB_loaded"] = round(d.get("bytes_loaded", 0) / 1e6, 2)
         out["MB_stored"] = round(d.get("bytes_stored", 0) / 1e6, 2)
         if d.get("loads"):
-            out["avg_load_ms"] = round(d["load_ms_total"] / d["loads"], 2)
+            out["avg_load_ms"] = round(d.get("load_ms_total", 0) / d["loads"], 2)
         if d.get("stores"):
-            out["avg_store_ms"] = round(d["store_ms_total"] / d["stores"], 2)
+            out["avg_store_ms"] = round(d.get("store_ms_total", 0) / d["stores"], 2)
         return out
 
     def is_empty(self) -> bool:
@@ -80,7 +82,12 @@ _PROM_COUNTERS = (
     ),
     (
         "sync_loads",
-        "Loads run before the step's forward pass (load_async false, or auto and small).",
+        "Loads run in the step that computes their request (load_async false, or auto "
+        "and at most sync_load_max_bytes, or layer_load_max_bytes by layer).",
+    ),
+    (
+        "layer_wait_ms",
+        "Milliseconds the forward pass waited in wait_for_layer_load for loads by layer.",
     ),
     ("store_failures", "Block stores Redis refused or that failed."),
     ("stores_dropped", "Block stores dropped because staging memory was full."),

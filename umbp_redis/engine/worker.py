@@ -158,6 +158,7 @@ class WorkerStats:
         "store_ms_total",
         "loads",
         "sync_loads",
+        "layer_wait_ms",
         "stores",
     ) + CARRIED_COUNTERS
 
@@ -420,8 +421,10 @@ class UMBPWorker:
         where = self._layer_part.get(layer_name)
         if where is None:  # a layer no load of ours writes
             return
+        t0 = time.perf_counter()
         for gate, _fut, _batch in self._step_gates:
-            if not gate.wait(*where) and not self._layer_wait_logged:
+            arrived = gate.wait(*where)
+            if not arrived and not self._layer_wait_logged:
                 self._layer_wait_logged = True
                 log.warning(
                     "umbp-redis: a sync load had not brought layer %s in by "
@@ -429,6 +432,7 @@ class UMBPWorker:
                     layer_name,
                     self.sync_load_timeout_s,
                 )
+        self.stats.add(layer_wait_ms=(time.perf_counter() - t0) * 1e3)
 
     def _join_layer_loads(self) -> None:
         """End of the forward pass: wait for this step's loads by layer to end (each by
