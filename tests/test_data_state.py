@@ -136,3 +136,9 @@ def test_failed_loads_of_every_rank_are_merged_once() -> None:
     assert agg.removed_blocks == (b"x",)
     assert agg.failed_loads == (b"a", b"b", b"c") and agg.store_results[1].finished_workers == 1
     assert r0.failed_loads == (b"a", b"b")
+
+
+def test_one_rank_turning_loads_by_layer_off_reaches_the_scheduler() -> None:
+    on, off = UMBPConnectorWorkerMetadata(), UMBPConnectorWorkerMetadata(layer_loads_off=True)
+    assert on.aggregate(off).layer_loads_off and off.aggregate(on).layer_loads_off
+    assert not on.aggregate(UMBPConnectorWorkerMetadata()).layer_loads_off

@@ -1052,6 +1052,13 @@ def test_auto_load_mode_loads_larger_hits_in_the_step_where_every_worker_loads_b
     s.adopt_handshake({(0, 0): by_layer, (1, 0): by_layer})
     assert s.get_num_new_matched_tokens(req, 2 * BS) == (4 * BS, False)  # 4 blocks: by layer
     assert s.get_num_new_matched_tokens(req, BS) == (5 * BS, True)  # 5: over the limit
+    # A worker that turned loads by layer off (its forward pass skipped a layer's wait):
+    # large hits load async again.
+    off = UMBPConnectorWorkerMetadata(layer_loads_off=True)
+    s.update_connector_output(
+        SimpleNamespace(finished_recving=None, kv_connector_worker_meta=off)  # type: ignore[arg-type]
+    )
+    assert s.get_num_new_matched_tokens(req, 2 * BS) == (4 * BS, True)
 
 
 def test_a_hybrid_model_always_loads_async(model_config: ModelConfig) -> None:

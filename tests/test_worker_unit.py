@@ -790,7 +790,8 @@ def test_a_load_by_layer_the_forward_did_not_wait_for_is_recomputed(
     meta = w.build_worker_meta()
     assert meta is not None and meta.sync_failed_requests == ("r",)
     assert meta.store_results[4].failed_keys  # dropped: computed over the failed load
-    assert not w.load_by_layer
+    assert not w.load_by_layer and meta.layer_loads_off  # the scheduler hears of it once
+    assert not w.handshake_metadata().loads_by_layer
     w.bind(UMBPConnectorMetadata(loads=[load]))
     w.start_load_kv()  # now whole, before the forward pass
     assert not w._step_gates

@@ -65,6 +65,8 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     ``sync_failed_requests``: requests a block of whose sync load did not load. vLLM
     cached the load's blocks, and those the step computed after them, before the load
     ran; the scheduler takes them out of vLLM's prefix cache.
+    ``layer_loads_off``: a worker turned its loads by layer off (its forward pass did
+    not wait for every layer): the scheduler stops planning large loads sync.
     """
 
     store_results: dict[int, StoreEventResult] = field(default_factory=dict)
@@ -73,6 +75,7 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     failed_requests: tuple[str, ...] = ()
     removed_blocks: tuple[bytes, ...] = ()
     sync_failed_requests: tuple[str, ...] = ()
+    layer_loads_off: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPConnectorWorkerMetadata:
         """Merge another rank's completions into a new object (neither input changes)."""
@@ -86,7 +89,15 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
         requests = tuple(dict.fromkeys(self.failed_requests + other.failed_requests))
         removed = tuple(dict.fromkeys(self.removed_blocks + other.removed_blocks))
         sync_failed = tuple(dict.fromkeys(self.sync_failed_requests + other.sync_failed_requests))
-        return UMBPConnectorWorkerMetadata(merged, failed, repaired, requests, removed, sync_failed)
+        return UMBPConnectorWorkerMetadata(
+            merged,
+            failed,
+            repaired,
+            requests,
+            removed,
+            sync_failed,
+            self.layer_loads_off or other.layer_loads_off,
+        )
 
 
 @dataclass

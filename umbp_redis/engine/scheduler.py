@@ -987,6 +987,12 @@ class UMBPScheduler:
                 st.load_failed = True
         for rid in meta.sync_failed_requests:
             self._uncache_failed_sync_load(rid)
+        if meta.layer_loads_off and self.workers_load_by_layer:
+            self.workers_load_by_layer = False  # large hits load async again
+            log.warning(
+                "umbp-redis: a worker turned loads by layer off; loads over "
+                "sync_load_max_bytes run async again"
+            )
         if self.kv_events:
             for eid, res in meta.store_results.items():
                 self._note_store_report(eid, res.finished_workers, bool(res.failed_keys))

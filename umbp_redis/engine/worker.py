@@ -227,6 +227,7 @@ class UMBPWorker:
         self._part_lengths: dict[bytes, tuple[int, ...]] = {}  # by layout fingerprint
         self._layer_wait_logged = False
         self._receives_in_parts: bool | None = None  # found once the caches are registered
+        self._layer_loads_turned_off = False  # since the last report
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
@@ -463,6 +464,7 @@ class UMBPWorker:
                     self._note_load_failure(batch.request_id, set(batch.block_ids), sync=True)
                 if self.load_by_layer:
                     self.load_by_layer = False
+                    self._layer_loads_turned_off = True  # the scheduler hears of it
                     log.warning(
                         "umbp-redis: the forward pass did not wait for every layer of a "
                         "load by layer (not waited: %s); its blocks are recomputed and "
@@ -889,10 +891,11 @@ class UMBPWorker:
             requests, self._failed_requests = tuple(self._failed_requests), {}
             removed, self._removed = tuple(self._removed), {}
             sync_failed, self._sync_failed = tuple(self._sync_failed), {}
-        if not (reports or failed or repaired or requests or removed or sync_failed):
+        off, self._layer_loads_turned_off = self._layer_loads_turned_off, False
+        if not (reports or failed or repaired or requests or removed or sync_failed or off):
             return None
         return UMBPConnectorWorkerMetadata(
-            reports, failed, repaired, requests, removed, sync_failed
+            reports, failed, repaired, requests, removed, sync_failed, off
         )
 
     def idle(self) -> bool:
