@@ -225,8 +225,10 @@ class UMBPWorker:
         self._step_gates: list[tuple[LayerGate, Any, BlockLoadBatch]] = []
         self._layer_part: dict[str, tuple[int, int]] = {}  # layer -> (group, part)
         self._part_lengths: dict[bytes, tuple[int, ...]] = {}  # by layout fingerprint
+        self._part_count: dict[int, int] = {}  # by cache group
         self._layer_wait_logged = False
-        self._receives_in_parts: bool | None = None  # found once the caches are registered
+        # Some group's objects are in parts and received straight into the KV cache.
+        self._receives_in_parts = False
         self._layer_loads_turned_off = False  # since the last report
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
@@ -313,16 +315,23 @@ class UMBPWorker:
             slot,
             " (pinned)" if pin else "",
         )
+        views_of = getattr(self.copier, "receive_views", None)
         for gid, lay in self.planner.layouts.items():
             self._part_lengths[lay.fingerprint] = lay.part_lengths()
+            self._part_count[gid] = len(self._part_lengths[lay.fingerprint])
             for layer, part in lay.layer_parts().items():
                 self._layer_part[layer] = (gid, part)
+            if self._part_count[gid] > 1 and views_of is not None:
+                views = views_of(gid, 0)
+                self._receives_in_parts |= (
+                    views is not None and sum(v.nbytes for v in views) == lay.object_size
+                )
             log.info(
                 "umbp-redis: group %d object %d bytes, %d regions, %d parts, layout %s",
                 gid,
                 lay.object_size,
                 len(lay.regions),
-                len(self._part_lengths[lay.fingerprint]),
+                self._part_count[gid],
                 lay.fingerprint_hex,
             )
 
@@ -337,22 +346,12 @@ class UMBPWorker:
     def sync_loads_by_layer(self) -> bool:
         """Whether this worker's sync loads run by layer: ``load_by_layer`` is on, loads
         receive straight into the KV cache (host memory) and objects are in parts."""
-        if not self.load_by_layer or self.fails_per_request or not self.direct_loads:
-            return False
-        if not self.planner.layouts or self.copier is None:
-            return False  # before register_kv_caches
-        if self._receives_in_parts is None:
-            views_of = getattr(self.copier, "receive_views", None)
-            found = False
-            for gid, lay in self.planner.layouts.items():
-                if len(self._part_lengths[lay.fingerprint]) < 2 or views_of is None:
-                    continue
-                views = views_of(gid, 0)
-                found = found or (
-                    views is not None and sum(v.nbytes for v in views) == lay.object_size
-                )
-            self._receives_in_parts = found
-        return self._receives_in_parts
+        return (
+            self.load_by_layer
+            and not self.fails_per_request
+            and self.direct_loads
+            and self._receives_in_parts
+        )
 
     # -- per step ---------------------------------------------------------------------
 
@@ -405,12 +404,8 @@ class UMBPWorker:
     def _loads_by_layer(self, batch: BlockLoadBatch) -> bool:
         """Whether a sync load runs alongside the forward pass (host KV caches, values
         stored in several parts)."""
-        if not self.sync_loads_by_layer():
-            return False
-        layouts = self.planner.layouts
-        return any(
-            g in layouts and len(self._part_lengths[layouts[g].fingerprint]) > 1
-            for g in set(batch.group_ids)
+        return self.sync_loads_by_layer() and any(
+            self._part_count.get(g, 1) > 1 for g in set(batch.group_ids)
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -450,12 +445,8 @@ class UMBPWorker:
                 with self._lock:
                     self._note_load_failure(batch.request_id, set(batch.block_ids), sync=True)
                 continue
-            layouts = self.planner.layouts
             parts = {
-                (g, p)
-                for g in set(batch.group_ids)
-                if g in layouts
-                for p in range(len(self._part_lengths[layouts[g].fingerprint]))
+                (g, p) for g in set(batch.group_ids) for p in range(self._part_count.get(g, 0))
             }
             unwaited = parts - gate.waited
             if unwaited:
