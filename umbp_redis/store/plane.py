@@ -46,8 +46,6 @@ from umbp_redis.store.resp import Buffer, ErrorReply, bulk_prefix, encode_comman
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.thread_affinity import thread_pinner
 from umbp_redis.store.value_format import (
-    HEADER_SIZE,
-    MAX_PARTS,
     InvalidValue,
     PartPlacement,
     ValueHeader,
@@ -55,6 +53,8 @@ from umbp_redis.store.value_format import (
     checksum_of_pieces,
     decode_header,
     encode_value,
+    longest_header_field,
+    part_split,
     validate_header,
 )
 
@@ -65,8 +65,6 @@ T = TypeVar("T")
 LoadedCallback = Callable[[list[int]], None]
 # Called with a part number and the indices of keys whose part it is done with (``load``).
 PartCallback = Callable[[int, list[int]], None]
-# The longest header field a value of payload n may have: header, part table, n tail bytes.
-_MAX_TABLE = 4 + 8 * MAX_PARTS
 
 
 def target_views(target: Buffer | list[Buffer]) -> list[memoryview]:
@@ -88,19 +86,12 @@ def _target_nbytes(target: Buffer | list[Buffer]) -> int:
     return memoryview(target).nbytes
 
 
-def _read_into_pieces(reader: Any, pieces: Sequence[memoryview], n: int) -> None:
-    """Fill the first ``n`` bytes of ``pieces`` (in order) from the stream."""
+def _read_into_pieces(reader: Any, pieces: Sequence[memoryview]) -> None:
+    """Fill ``pieces`` (in order) from the stream."""
     if len(pieces) == 1:
-        reader.read_exact_into(pieces[0][:n])
-        return
-    heads = []
-    for p in pieces:
-        if n <= 0:
-            break
-        take = min(n, p.nbytes)
-        heads.append(p[:take])
-        n -= take
-    reader.read_exact_into_pieces(heads)
+        reader.read_exact_into(pieces[0])
+    else:
+        reader.read_exact_into_pieces(pieces)
 
 
 def _span(pieces: Sequence[memoryview], offset: int, n: int) -> list[memoryview]:
@@ -369,7 +360,7 @@ def _hmget_part_cmd(k: bytes, part: int) -> bytes:
 
 
 def _part_count(parts: Sequence[int] | None) -> int:
-    return len(parts) if parts is not None and len(parts) > 1 else 1
+    return len(part_split(parts) or (0,))
 
 
 @dataclass
@@ -844,7 +835,7 @@ class RedisDataPlane:
         sub = [(_key_bytes(k), dests[i]) for i, (k, _) in enumerate(items)]
         total = sum(_views_nbytes(d) for d in dests)
         error: LoadStatus | RedisRedirectError = LoadStatus.ERROR
-        split = tuple(parts) if parts is not None and len(parts) > 1 else None
+        split = part_split(parts)
         by_part = on_part if split is not None else None
         return self._fan_out(
             len(sub),
@@ -1038,7 +1029,7 @@ class RedisDataPlane:
         hlen = r.read_bulk_header()
         if isinstance(hlen, ErrorReply):
             raise RedisDataPlaneError(hlen.message)
-        too_long = hlen > HEADER_SIZE + _MAX_TABLE + size
+        too_long = hlen > longest_header_field(size)
         field_h = None if hlen < 0 or too_long else r.read_exact(hlen + 2)[:-2]
         if too_long:
             r.skip(hlen + 2)
@@ -1078,7 +1069,7 @@ class RedisDataPlane:
     def _receive_part(r: Any, dest: list[memoryview], v: _ValueRead, place: PartPlacement) -> None:
         """Receive one body field (its length already read and checked) into its place
         in ``dest``, and put the part's tail after it."""
-        _read_into_pieces(r, _span(dest, place.offset, place.body_len), place.body_len)
+        _read_into_pieces(r, _span(dest, place.offset, place.body_len))
         r.expect_crlf()
         if place.tail_len:
             tail = v.field_h[place.tail_at : place.tail_at + place.tail_len]

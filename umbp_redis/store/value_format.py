@@ -58,11 +58,23 @@ HEADER_FIELD = b"h"
 BODY_FIELD = b"b"
 _COUNT = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
-# Parts a value may have (a header with more is not one of ours).
-MAX_PARTS = 64
+# Parts a stored value may have (a header with more is not one of ours).
+MAX_STORED_PARTS = 64
 # Bytes the server adds to a string allocation (sds header and terminator), rounded up.
 _SDS_SLACK = 16
 _SPLIT_MIN = 4096
+
+
+def part_split(parts: Sequence[int] | None) -> tuple[int, ...] | None:
+    """The part lengths a value is stored in (version 3), or None for a value stored
+    whole (version 2: ``parts`` None or a single part)."""
+    return tuple(parts) if parts is not None and len(parts) > 1 else None
+
+
+def longest_header_field(payload_len: int) -> int:
+    """The most bytes field ``h`` of a value of ``payload_len`` can hold (header, the
+    largest part table, every payload byte as tail)."""
+    return HEADER_SIZE + _COUNT.size + _LENGTH.size * MAX_STORED_PARTS + payload_len
 
 
 def body_field(part: int) -> bytes:
@@ -192,8 +204,8 @@ def encode_value(
     if len(fingerprint) != 16:
         raise ValueError("layout fingerprint must be 16 bytes")
     n = payload.nbytes
-    lengths = tuple(parts) if parts is not None and len(parts) > 1 else (n,)
-    if sum(lengths) != n or min(lengths) <= 0 or len(lengths) > MAX_PARTS:
+    lengths = part_split(parts) or (n,)
+    if sum(lengths) != n or min(lengths) <= 0 or len(lengths) > MAX_STORED_PARTS:
         raise ValueError(f"parts {lengths} do not split a payload of {n} bytes")
     split = len(lengths) > 1
     table = _COUNT.pack(len(lengths)) + b"".join(_LENGTH.pack(x) for x in lengths) if split else b""
@@ -235,7 +247,7 @@ def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
             raise InvalidValue("header field ends before its part table")
         (count,) = _COUNT.unpack_from(field_h, HEADER_SIZE)
         end = HEADER_SIZE + _COUNT.size + _LENGTH.size * count
-        if not 2 <= count <= MAX_PARTS or len(field_h) < end:
+        if not 2 <= count <= MAX_STORED_PARTS or len(field_h) < end:
             raise InvalidValue(f"bad part table of {count} parts")
         parts = struct.unpack_from(f"<{count}Q", field_h, HEADER_SIZE + _COUNT.size)
         if sum(parts) != plen or min(parts) <= 0:
@@ -276,7 +288,7 @@ def validate_header(
         )
     if hdr.payload_len != payload_len:
         raise InvalidValue(f"payload length {hdr.payload_len}, expected {payload_len}")
-    want = tuple(parts) if parts is not None and len(parts) > 1 else (payload_len,)
+    want = part_split(parts) or (payload_len,)
     if hdr.part_lengths != want:
         raise InvalidValue(f"parts {hdr.part_lengths}, expected {want}")
     first = body_length(want[0]) if hdr.parts else hdr.body_len
