@@ -30,7 +30,6 @@ class LayerGate:
         self._all_open = False
         self._cond = threading.Condition()
         self.waited: set[tuple[int, int]] = set()
-        self.timed_out = False
 
     def arrived(self, group: int, part: int, indices: list[int]) -> None:
         """Blocks ``indices`` (positions among the group's blocks) have ``part``."""
@@ -47,11 +46,6 @@ class LayerGate:
             self._all_open = True
             self._cond.notify_all()
 
-    def is_open(self, group: int, part: int) -> bool:
-        """Whether ``wait(group, part)`` would return at once."""
-        with self._cond:
-            return self._all_open or (group, part) in self._open or group not in self._keys
-
     def wait(self, group: int, part: int) -> bool:
         """Block until ``part`` of ``group`` is open or the deadline passes; False when
         the deadline passed first (the load goes on until it ends by its deadline)."""
@@ -60,7 +54,6 @@ class LayerGate:
             while not (self._all_open or (group, part) in self._open or group not in self._keys):
                 left = self.deadline - time.monotonic()
                 if left <= 0:
-                    self.timed_out = True
                     return False
                 self._cond.wait(left)
             return True
