@@ -12,6 +12,7 @@ from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
 from test_data_identity import ktc, make_vllm_config
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import RequestStatus
 
 from umbp_redis.data import (
     RankTopology,
@@ -84,6 +85,8 @@ class FakeRequest:
     request_id: str
     num_prompt_tokens: int
     block_hashes: list[bytes] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.RUNNING
+    num_computed_tokens: int = 0
 
 
 class FakeBlockPool:
@@ -289,6 +292,50 @@ def test_with_several_ranks_a_sync_loads_step_stores_its_blocks_once_its_outcome
         planned.append([list(b.block_ids) for b in s.build_connector_meta(step).stores])
     wait = 0 if tp == 1 else 2 if async_scheduling else 1
     assert planned == [[[3, 4]] if i == wait else [] for i in range(3)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize(
+    ("status", "stored"),
+    [
+        (RequestStatus.FINISHED_LENGTH_CAPPED, True),
+        (RequestStatus.FINISHED_STOPPED, True),
+        (RequestStatus.FINISHED_ABORTED, False),
+        (RequestStatus.FINISHED_ERROR, False),
+    ],
+)
+def test_a_request_that_ends_while_its_stores_are_held_stores_them_if_it_stopped(
+    model_config: ModelConfig, async_scheduling: bool, status: RequestStatus, stored: bool
+) -> None:
+    """With several ranks, a request that ends in the step of its sync load (one output
+    token) before its held stores went out: stopped by its output (vLLM has applied the
+    step and rolled back failed loads), its blocks go out with the next step, pinned
+    until reported; aborted or failed, nothing is stored."""
+    plane = ScriptedDataPlane()
+    s = make_scheduler(
+        model_config, plane, tp=2, load_async=False, async_scheduling=async_scheduling
+    )
+    pool = FakeBlockPool(32)
+    s.bind_block_pool(pool)
+    req = request(4 * BS + 40)
+    assert s.codec is not None
+    plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+    s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
+    meta = s.build_connector_meta(
+        _step(new=[("r1", ([1, 2, 3, 4, 5],), 2 * BS)], sched={"r1": 2 * BS + 40})
+    )
+    assert [b.load_async for b in meta.loads] == [False] and meta.stores == []
+    if async_scheduling:  # the next step was scheduled before the output came back
+        step = _step(cached=[("r1", None, 4 * BS + 40)], sched={"r1": 1})
+        assert s.build_connector_meta(step).stores == []
+    req.status, req.num_computed_tokens = status, 4 * BS + 40 + int(async_scheduling)
+    assert s.request_finished(req) == (False, None)  # type: ignore[arg-type]
+    planned = [list(b.block_ids) for b in s.build_connector_meta(_step()).stores]
+    assert planned == ([[3, 4]] if stored else [])
+    assert [b.ref_cnt for b in pool.blocks[3:5]] == ([1, 1] if stored else [0, 0])
+    assert s.build_connector_meta(_step()).stores == []  # once
 
 
 def test_consumer_never_stores_and_preemption_is_forwarded(model_config: ModelConfig) -> None:

@@ -99,6 +99,12 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[Callable[..., R]], Calla
     return wrap
 
 
+# The request statuses vLLM sets while applying a step's output (a stop condition met).
+_STOPPED_BY_OUTPUT = frozenset(
+    {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+)
+
+
 @dataclass
 class _RequestState:
     request: Request
@@ -267,6 +273,8 @@ class UMBPScheduler:
         shared = t.tp_size * t.pp_size * t.pcp_size * t.dcp_size > 1
         async_sched = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self.sync_load_store_hold = (2 if async_sched else 1) if shared else 0
+        # Stores of requests that ended while held, for the next step (request_finished).
+        self._ended_held_stores = UMBPConnectorMetadata()
         self.requests: dict[str, _RequestState] = {}
         self.pending_loads: list[BlockLoadBatch] = []
         self.pinned: dict[int, _PinnedEvent] = {}
@@ -665,6 +673,8 @@ class UMBPScheduler:
                 self._tracker_blocks(new.req_id, new.block_ids, replace=True)
             self._update_cached(scheduler_output)
             return
+        meta.stores.extend(self._ended_held_stores.stores)
+        self._ended_held_stores.stores = []
         num_sched = scheduler_output.num_scheduled_tokens
         # With several ranks, a request's blocks computed in the step of its sync load
         # are stored only once vLLM has applied that step's output: a rank whose load
@@ -1045,10 +1055,26 @@ class UMBPScheduler:
         """Forget the request; never delays freeing its blocks (in lazy store mode, its
         blocks may stay pinned until stored, see ``_pin_finishing``)."""
         st = self.requests.pop(request.request_id, None)
+        if st is not None and st.store_hold > 0:
+            self._plan_ended_held_stores(st, request)
         if self.lazy and st is not None and self._lazy_candidates:
             self._pin_finishing(st)
         self._lookups.pop(request.request_id, None)
         return False, None
+
+    def _plan_ended_held_stores(self, st: _RequestState, request: Request) -> None:
+        """Plan, for the next step, the held stores of a request that ended before its
+        hold did (see ``_plan_step``; e.g. a prompt with one output token).
+
+        vLLM sets a stop status only while it applies a step's output, after it has
+        rolled back every request whose load failed: a request stopped that way loaded
+        right on every rank, so its blocks are stored (pinned until reported). One that
+        ended otherwise (aborted, failed) may not have, and stores nothing."""
+        if getattr(getattr(request, "status", None), "name", "") not in _STOPPED_BY_OUTPUT:
+            return
+        if not self.can_store or self.codec is None:
+            return
+        self._plan_stores(st, request.num_computed_tokens, 0, self._ended_held_stores)
 
     @_guarded(lambda self: False)
     def has_pending_block_frees(self) -> bool:
