@@ -275,6 +275,7 @@ def main() -> None:
             "sync",
             "whole-sync",
             "inherit",
+            "two-connections",
         ),
         default="none",
         help="also run a third engine: one that loads through staging and scatter (the "
@@ -286,7 +287,9 @@ def main() -> None:
         "forward pass (load_by_layer: false); staging-batch: redis loads through staging "
         "copying each window as it arrives, the third engine through staging copying after "
         "the whole batch; inherit: "
-        "transfer threads stay on the CPUs they start on (transfer_cpus: inherit)",
+        "transfer threads stay on the CPUs they start on (transfer_cpus: inherit); "
+        "two-connections: loads spread over two connections (transfer_connections: 2; "
+        "auto takes 1 below 4 CPUs)",
     )
     ap.add_argument(
         "--executor",
@@ -362,6 +365,10 @@ def main() -> None:
         elif args.compare == "whole-sync":
             whole = {"load_async": False, "load_by_layer": False}
             staged = Engine(model, server.url, work / "other.log", extra=whole)
+        elif args.compare == "two-connections":
+            staged = Engine(
+                model, server.url, work / "other.log", extra={"transfer_connections": 2}
+            )
         elif args.compare == "inherit":
             staged = Engine(
                 model, server.url, work / "other.log", extra={"transfer_cpus": "inherit"}

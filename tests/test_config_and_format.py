@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from umbp_redis.store.errors import ConfigError
-from umbp_redis.store.settings import OPTIONS, RedisSettings, validate_options
+from umbp_redis.store.settings import (
+    OPTIONS,
+    RedisSettings,
+    transfer_connection_count,
+    validate_options,
+)
 from umbp_redis.store.value_format import (
     HEADER_SIZE,
     InvalidValue,
@@ -107,6 +112,24 @@ def test_bad_options_name_the_key() -> None:
         RedisSettings.from_url("http://h:1")
     with pytest.raises(ConfigError, match="malformed"):
         RedisSettings.from_url("redis://h:1/notanumber")
+
+
+def test_transfer_connections_auto_takes_one_below_four_cpus() -> None:
+    """``auto`` (the default) is 1 connection on machines of 1-3 CPUs, 2 from 4 on; an
+    int is taken as given; anything else names the option."""
+    assert [transfer_connection_count("auto", cpus=n) for n in (1, 2, 3, 4, 64)] == [1, 1, 1, 2, 2]
+    assert transfer_connection_count(5, cpus=2) == 5
+    expected = transfer_connection_count("auto")
+    assert RedisSettings.from_url("redis://h:1").transfer_connections == expected
+    assert RedisSettings.from_url("redis://h:1", transfer_connections=3).transfer_connections == 3
+    with pytest.raises(
+        ConfigError, match=r"\['transfer_connections'\] must be an int >= 1 or 'auto'"
+    ):
+        RedisSettings.from_url("redis://h:1", transfer_connections="many")
+    with pytest.raises(ConfigError, match=r"\['transfer_connections'\] must be >= 1"):
+        validate_options({"transfer_connections": 0})
+    with pytest.raises(ConfigError, match=r"\['transfer_connections'\] must be int or str"):
+        validate_options({"transfer_connections": 1.5})
 
 
 def test_every_option_has_a_default_and_doc() -> None:

@@ -88,9 +88,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_connections", int, 8, "Connections the process keeps to Redis at most.", minimum=1),
     Option(
         "transfer_connections",
-        int,
-        2,
-        "Connections one large store or load batch is spread over.",
+        (int, str),
+        "auto",
+        "Connections one large store or load batch is spread over (an int >= 1, or auto). "
+        "auto: 1 on a machine of fewer than 4 CPUs, else 2. Each connection is a Python "
+        "thread receiving; on 2 cores a second one contends with the forward pass and the "
+        "Redis server for the cores and the GIL.",
         minimum=1,
     ),
     Option(
@@ -345,7 +348,8 @@ def validate_options(
                 f"kv_connector_extra_config[{opt.name!r}] must be {_type_name(opt.type)}, got "
                 f"{type(value).__name__} {value!r}"
             )
-        if opt.minimum is not None and value is not None and value < opt.minimum:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if opt.minimum is not None and number and value < opt.minimum:
             raise ConfigError(
                 f"kv_connector_extra_config[{opt.name!r}] must be >= {opt.minimum}, got {value!r}"
             )
@@ -356,6 +360,21 @@ def validate_options(
             )
         out[opt.name] = value
     return out
+
+
+def transfer_connection_count(value: int | str, cpus: int | None = None) -> int:
+    """The connection count option ``transfer_connections`` names: ``value`` itself, or
+    for ``auto`` 1 on a machine of fewer than 4 CPUs (``cpus``, default this one's),
+    else 2; ``ConfigError`` for any other string."""
+    if isinstance(value, int):
+        return value
+    if value != "auto":
+        raise ConfigError(
+            "kv_connector_extra_config['transfer_connections'] must be an int >= 1 or "
+            f"'auto', got {value!r}"
+        )
+    cpus = cpus if cpus is not None else os.cpu_count() or 1
+    return 1 if cpus < 4 else 2
 
 
 @dataclass(frozen=True)
@@ -380,7 +399,9 @@ class RedisSettings:
     op_timeout_s: float = OPTIONS_BY_NAME["op_timeout_s"].default
     lookup_timeout_s: float = OPTIONS_BY_NAME["lookup_timeout_s"].default
     max_connections: int = OPTIONS_BY_NAME["max_connections"].default
-    transfer_connections: int = OPTIONS_BY_NAME["transfer_connections"].default
+    transfer_connections: int = transfer_connection_count(
+        OPTIONS_BY_NAME["transfer_connections"].default
+    )
     max_inflight_bytes: int = OPTIONS_BY_NAME["max_inflight_bytes"].default
     ttl_seconds: int = OPTIONS_BY_NAME["ttl_seconds"].default
     refresh_ttl_on_lookup: bool = OPTIONS_BY_NAME["refresh_ttl_on_lookup"].default
@@ -434,6 +455,7 @@ class RedisSettings:
         )
         seeds = parse_seed_nodes(opts["cluster_seed_nodes"])
         validate_transfer_cpus(opts["transfer_cpus"])
+        rest["transfer_connections"] = transfer_connection_count(opts["transfer_connections"])
         if cluster == "on" and parsed.db != 0:
             raise ConfigError(
                 f"kv_connector_extra_config['redis_url'] selects database {parsed.db}, but "
