@@ -13,7 +13,11 @@ script measures, in one run against one private server, interleaved (best of
   takes ``-r`` as a C int, and ``-r 2**40`` silently wrote ONE key, so the script checks
   ``DBSIZE`` after the run);
 * this client's store on fresh keys (deleted before each run), its store over existing
-  keys, and its load, with each ``max_inflight_bytes`` given.
+  keys, and its load, with each ``max_inflight_bytes`` given;
+* the ceiling of any Python client on one connection: the same ``HMGET`` replies
+  received with the load's pipelining (1 MiB in flight, half of it sent before the
+  previous half is read) into one scratch buffer, with no parsing, validation or
+  checksum (``bare receive``).
 
 Prints GB/s and each figure over its like-for-like redis-benchmark baseline.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +57,47 @@ def redis_benchmark(
         cols = [c.strip('"') for c in line.split(",")]
         rates[cols[0].lower()] = float(cols[1]) * size / 1e9
     return rates
+
+
+def bare_receive(port: int, keys: list[str], inflight: int) -> float:
+    """Seconds to fetch every key's ``HMGET key h b`` reply on one connection, sent in
+    windows of ``inflight // 2`` bytes with one window sent ahead (as the data plane
+    does), each reply received unparsed into one scratch buffer (every value being the
+    size of the first key's)."""
+    h, b = redis.Redis(port=port).hmget(keys[0], ["h", "b"])  # every value is this size
+    assert h is not None and b is not None
+    sizes = [sum(len(b"$%d\r\n" % len(f)) + len(f) + 2 for f in (h, b)) + 4] * len(keys)
+    cmds = [
+        b"*4\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n$1\r\nb\r\n" % (len(k), k.encode())
+        for k in keys
+    ]
+    groups: list[range] = []
+    start, acc = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and acc + n > inflight // 2:
+            groups.append(range(start, i))
+            start, acc = i, 0
+        acc += n
+    groups.append(range(start, len(keys)))
+    scratch = memoryview(bytearray(max(sum(sizes[i] for i in g) for g in groups)))
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def read(g: range) -> None:
+            need, got = sum(sizes[i] for i in g), 0
+            while got < need:
+                got += sock.recv_into(scratch[got:need])
+
+        t0 = time.perf_counter()
+        pending: list[range] = []
+        for g in groups:
+            sock.sendall(b"".join(cmds[i] for i in g))
+            pending.append(g)
+            if len(pending) > 1:
+                read(pending.pop(0))
+        for g in pending:
+            read(g)
+        return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -115,6 +161,9 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 assert all(s is LoadStatus.LOADED for s in lt) and np.array_equal(dest, staging)
                 keep(f"umbp load, inflight {w >> 10} KiB", count * size / dt / 1e9)
+                if w == 1 << 20:
+                    bare = bare_receive(srv.port, keys, w)
+                    keep("bare receive (Python, 1 conn, 1 MiB)", count * size / bare / 1e9)
                 plane.delete(keys)
     print(f"{count} objects of {size} bytes, best of {args.repeats} (GB/s)")
     for name, v in best.items():
@@ -137,6 +186,13 @@ def main() -> None:
                 f"{count}-key SET {se / many_set:.2f}x (one-key SET {se / one_set:.2f}x); "
                 f"load/{count}-key GET {ld / many_get:.2f}x (one-key GET {ld / one_get:.2f}x)"
             )
+    bare = best.get("bare receive (Python, 1 conn, 1 MiB)")
+    if bare and many_get:
+        ld = best.get("umbp load, inflight 1024 KiB")
+        print(
+            f"bare receive / {count}-key GET {bare / many_get:.2f}x"
+            + (f"; umbp load (1 MiB) / bare receive {ld / bare:.2f}x" if ld else "")
+        )
 
 
 if __name__ == "__main__":
