@@ -114,7 +114,10 @@ def main(spec_path: str) -> None:
         if op == "generate":
             t0 = time.perf_counter()
             prompts = phase.get("prompts", spec["prompts"])
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            phase_params = params
+            if "max_tokens" in phase:  # this phase's own output length
+                phase_params = SamplingParams(max_tokens=phase["max_tokens"], temperature=0.0)
+            outs = llm.generate(prompts, phase_params, use_tqdm=False)
             results[phase["name"]] = {
                 "seconds": time.perf_counter() - t0,
                 "outputs": [

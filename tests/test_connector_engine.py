@@ -370,22 +370,40 @@ def test_unreachable_redis_at_startup(work: Path, tiny_model: Path, baseline: di
 
 
 def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict) -> None:  # type: ignore[type-arg]
+    """Two TP ranks, sync loads (their stores of a load's step wait for its outcome):
+    warm tokens equal cold ones; prompts extended past what Redis holds, answered with
+    one token (they end in the step of their sync load), still store their new blocks,
+    so the same prompts hit them all next."""
+    extra = sample_prompts(len(PROMPTS), 200, seed=9)
+    longer = [p + " " + e for p, e in zip(PROMPTS, extra, strict=True)]
     with EmbeddedRedis() as srv:
         url = srv.url
         phases = [
             {"op": "generate", "name": "cold"},
             {"op": "reset"},
             {"op": "generate", "name": "warm"},
+            {"op": "reset"},
+            {"op": "generate", "name": "longer", "prompts": longer, "max_tokens": 1},
+            {"op": "reset"},
+            {"op": "generate", "name": "longer_warm", "prompts": longer, "max_tokens": 1},
             {"op": "delete_pattern", "url": url, "pattern": "umbp:vllm:v1:*:tp1:*", "name": "tp1"},
             {"op": "reset"},
             {"op": "generate", "name": "one_rank_missing"},
         ]
-        res = run_engine(work, "tp2", tiny_model, connector(url), phases, tp=2)
+        res = run_engine(work, "tp2", tiny_model, connector(url, load_async=False), phases, tp=2)
     for phase in ("cold", "warm", "one_rank_missing"):
         assert tokens(res[phase]) == tokens(baseline), phase
     for o in res["warm"]["outputs"]:
         assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
-    assert res["tp1"] == 2 + len(PROMPTS)  # every block has a key per TP rank
+    for o, short in zip(res["longer"]["outputs"], res["warm"]["outputs"], strict=True):
+        assert full_blocks(o["prompt_tokens"]) > full_blocks(short["prompt_tokens"])
+        assert o["cached"] == full_blocks(short["prompt_tokens"]) * BLOCK
+    for o in res["longer_warm"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    assert tokens(res["longer_warm"]) == tokens(res["longer"])
+    # Every block has a key per TP rank: the 2 shared blocks, then each prompt's own.
+    blocks = sum(full_blocks(o["prompt_tokens"]) - 2 for o in res["longer"]["outputs"])
+    assert res["tp1"] == 2 + blocks
     # Without the tp1 shard no block is a Redis hit: only local prefix-cache hits remain.
     assert all(o["cached"] <= 2 * BLOCK for o in res["one_rank_missing"]["outputs"])
 
