@@ -7,8 +7,8 @@
   ``value_format`` and its TTL in one ``MULTI``/``EXEC``, payload bytes handed to
   ``sendmsg`` as memoryviews.
 * ``load``: many objects straight into caller buffers (``recv_into``), each validated
-  (magic, version, key digest, fingerprint, sizes, checksum) before it counts as
-  loaded. Only bytes that fail validation are ``INVALID``; an error reply (MOVED,
+  (magic, version, key digest, fingerprint, sizes, checksum: ``value_reads``) before it
+  counts as loaded. Only bytes that fail validation are ``INVALID``; an error reply (MOVED,
   READONLY, NOPERM, OOM...) or a broken connection is ``ERROR``.
 
 Large batches are spread over several connections; bytes in flight per connection
@@ -45,17 +45,14 @@ from umbp_redis.store.errors import (
 from umbp_redis.store.resp import Buffer, ErrorReply, bulk_prefix, encode_command, send_buffers
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.thread_affinity import thread_pinner
-from umbp_redis.store.value_format import (
-    InvalidValue,
-    PartPlacement,
-    ValueHeader,
-    body_field,
-    checksum_of_pieces,
-    decode_header,
-    encode_value,
-    longest_header_field,
-    part_split,
-    validate_header,
+from umbp_redis.store.value_format import body_field, encode_value, part_split
+from umbp_redis.store.value_reads import (
+    LoadStatus,
+    ValueRead,
+    ValueReader,
+    target_nbytes,
+    target_views,
+    views_nbytes,
 )
 
 log = logging.getLogger(__name__)
@@ -67,73 +64,7 @@ LoadedCallback = Callable[[list[int]], None]
 PartCallback = Callable[[int, list[int]], None]
 
 
-def target_views(target: Buffer | list[Buffer]) -> list[memoryview]:
-    """A load destination as byte views in payload order: one buffer, or a list of
-    buffers that receive consecutive pieces of the payload (e.g. a block's pages in the
-    engine's KV cache)."""
-    if isinstance(target, list):
-        return [memoryview(p).cast("B") for p in target]
-    return [memoryview(target).cast("B")]
-
-
-def _views_nbytes(views: Sequence[memoryview]) -> int:
-    return views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
-
-
-def _target_nbytes(target: Buffer | list[Buffer]) -> int:
-    if isinstance(target, list):
-        return sum(memoryview(p).nbytes for p in target)
-    return memoryview(target).nbytes
-
-
-def _read_into_pieces(reader: Any, pieces: Sequence[memoryview]) -> None:
-    """Fill ``pieces`` (in order) from the stream."""
-    if len(pieces) == 1:
-        reader.read_exact_into(pieces[0])
-    else:
-        reader.read_exact_into_pieces(pieces)
-
-
-def _span(pieces: Sequence[memoryview], offset: int, n: int) -> list[memoryview]:
-    """Views of payload bytes ``offset .. offset + n`` across ``pieces``."""
-    if len(pieces) == 1:
-        return [pieces[0][offset : offset + n]]
-    out = []
-    pos = 0
-    for p in pieces:
-        end = pos + p.nbytes
-        if n > 0 and end > offset:
-            start = offset - pos
-            take = min(p.nbytes - start, n)
-            out.append(p[start : start + take])
-            offset, n = offset + take, n - take
-        pos = end
-    return out
-
-
-def _write_at(pieces: Sequence[memoryview], offset: int, data: bytes) -> None:
-    """Write ``data`` at payload offset ``offset`` across ``pieces``."""
-    pos = 0
-    for p in pieces:
-        end = pos + p.nbytes
-        if data and end > offset:
-            start = offset - pos
-            take = min(p.nbytes - start, len(data))
-            p[start : start + take] = data[:take]
-            data, offset = data[take:], offset + take
-        pos = end
-
-
 _MIN_BYTES_PER_CONNECTION = 4 << 20
-
-
-class LoadStatus(enum.Enum):
-    """Outcome of loading one key."""
-
-    LOADED = "loaded"
-    MISSING = "missing"
-    INVALID = "invalid"
-    ERROR = "error"
 
 
 class StoreStatus(enum.Enum):
@@ -204,9 +135,7 @@ def record_loads(
 ) -> None:
     """Add the outcome of one ``load`` call to ``stats``."""
     ok = [
-        _target_nbytes(d)
-        for (_, d), s in zip(items, results, strict=True)
-        if s is LoadStatus.LOADED
+        target_nbytes(d) for (_, d), s in zip(items, results, strict=True) if s is LoadStatus.LOADED
     ]
     stats.add(
         loaded_objects=len(ok),
@@ -363,17 +292,6 @@ def _part_count(parts: Sequence[int] | None) -> int:
     return len(part_split(parts) or (0,))
 
 
-@dataclass
-class _ValueRead:
-    """What a load knows of one value while its fields arrive: its header (once read)
-    and its final status (None while it may still load)."""
-
-    field_h: bytes = b""
-    header: ValueHeader | None = None
-    places: list[PartPlacement] = field(default_factory=list)
-    status: LoadStatus | RedisRedirectError | None = None
-
-
 def _groups(sizes: Sequence[int], budget: int) -> list[range]:
     """Consecutive index ranges whose sizes add up to at most ``budget`` (>= 1 item each)."""
     out: list[range] = []
@@ -411,6 +329,7 @@ class RedisDataPlane:
         )
         self._ttl = str(int(settings.ttl_seconds)).encode()
         self._unexpected_logged = False
+        self._values = ValueReader(settings.checksum, lambda e: self._note_refusals([e], "HMGET"))
 
     @property
     def ttl_arg(self) -> bytes:
@@ -833,7 +752,7 @@ class RedisDataPlane:
             return []
         dests = [target_views(d) for _, d in items]
         sub = [(_key_bytes(k), dests[i]) for i, (k, _) in enumerate(items)]
-        total = sum(_views_nbytes(d) for d in dests)
+        total = sum(views_nbytes(d) for d in dests)
         error: LoadStatus | RedisRedirectError = LoadStatus.ERROR
         split = part_split(parts)
         by_part = on_part if split is not None else None
@@ -870,9 +789,11 @@ class RedisDataPlane:
             res = []
             for j in g:
                 key, dest = sub[idx[j]]
-                v = _ValueRead()
-                if self._read_fields(conn, key, dest, fingerprint, parts, v, 0, nparts, pre):
-                    self._finish_value(dest, v)
+                v = ValueRead()
+                if self._values.read_fields(
+                    conn.reader, key, dest, fingerprint, parts, v, 0, nparts, bool(pre)
+                ):
+                    self._values.finish_value(dest, v)
                 assert v.status is not None
                 res.append(v.status)
             if on_loaded is not None:
@@ -881,7 +802,7 @@ class RedisDataPlane:
                     on_loaded(done)
             return res
 
-        groups = _groups([_views_nbytes(sub[i][1]) + 128 for i in idx], window)
+        groups = _groups([views_nbytes(sub[i][1]) + 128 for i in idx], window)
         with self.pool.connection(deadline=deadline) as conn:
             return self._windowed(
                 groups,
@@ -909,7 +830,7 @@ class RedisDataPlane:
         each part through ``on_part`` once this connection's keys have it."""
         window = max(1, self.settings.max_inflight_bytes // 2)
         units = [(p, j) for p in range(len(parts)) for j in range(len(idx))]
-        state = [_ValueRead() for _ in idx]
+        state = [ValueRead() for _ in idx]
         last = len(idx) - 1
 
         def command(p: int, j: int) -> bytes:
@@ -920,7 +841,9 @@ class RedisDataPlane:
             for u in g:
                 p, j = units[u]
                 key, dest = sub[idx[j]]
-                self._read_fields(conn, key, dest, fingerprint, parts, state[j], p, 1, pre)
+                self._values.read_fields(
+                    conn.reader, key, dest, fingerprint, parts, state[j], p, 1, bool(pre)
+                )
                 if j == last:  # a key sent elsewhere (MOVED, ASK) is reported from there
                     on_part(
                         p,
@@ -947,7 +870,7 @@ class RedisDataPlane:
         out: list[LoadStatus | RedisRedirectError] = []
         for (_, dest), v in zip((sub[i] for i in idx), state, strict=True):
             if v.status is None:
-                self._finish_value(dest, v)
+                self._values.finish_value(dest, v)
             assert v.status is not None
             out.append(v.status)
         if on_loaded is not None:
@@ -955,136 +878,6 @@ class RedisDataPlane:
             if done:
                 on_loaded(done)
         return out
-
-    def _read_fields(
-        self,
-        conn: RedisConnection,
-        key: bytes,
-        dest: list[memoryview],
-        fingerprint: bytes,
-        parts: tuple[int, ...] | None,
-        v: _ValueRead,
-        first: int,
-        count: int,
-        pre: bytes,
-    ) -> bool:
-        """Read one HMGET reply holding body fields ``first .. first + count - 1`` of a
-        value (and, when ``first`` is 0, its header field before them) into ``dest``;
-        whatever is wrong is recorded in ``v.status``. True while the value may load."""
-        r = conn.reader
-        if pre:
-            r.read_reply()  # ASKING's +OK
-        n = r.read_array_header()
-        if isinstance(n, ErrorReply):
-            # MOVED, ASK, READONLY, NOPERM, WRONGTYPE...: the server did not hand over
-            # bytes, so nothing is known about the value: an error, never "invalid".
-            if isinstance(n.exc, RedisLoadingError):
-                raise n.exc
-            if v.status is None:
-                if isinstance(n.exc, RedisRedirectError):
-                    v.status = n.exc
-                else:
-                    self._note_refusals([n], "HMGET")
-                    v.status = LoadStatus.ERROR
-            return False
-        if n != count + (first == 0):
-            raise RedisDataPlaneError(f"HMGET returned {n} fields")
-        part = first
-        if first == 0:
-            self._read_header(r, key, dest, fingerprint, parts, v)
-            part, count = 1, count - 1
-        for i in range(part, part + count):
-            blen = r.read_bulk_header()
-            if isinstance(blen, ErrorReply):
-                raise RedisDataPlaneError(blen.message)
-            if v.status is not None:
-                if blen >= 0:
-                    r.skip(blen + 2)
-                continue
-            if blen < 0:  # gone since its header was read: nothing known of a new one
-                v.status = LoadStatus.ERROR
-                continue
-            place = v.places[i]
-            if blen != place.body_len:
-                log.debug(
-                    "invalid value: body field %d is %d bytes, not %d", i, blen, place.body_len
-                )
-                r.skip(blen + 2)
-                v.status = LoadStatus.INVALID
-                continue
-            self._receive_part(r, dest, v, place)
-        return v.status is None
-
-    def _read_header(
-        self,
-        r: Any,
-        key: bytes,
-        dest: list[memoryview],
-        fingerprint: bytes,
-        parts: tuple[int, ...] | None,
-        v: _ValueRead,
-    ) -> None:
-        """Read a value's header field and first body field into ``v`` and ``dest``."""
-        size = _views_nbytes(dest)
-        hlen = r.read_bulk_header()
-        if isinstance(hlen, ErrorReply):
-            raise RedisDataPlaneError(hlen.message)
-        too_long = hlen > longest_header_field(size)
-        field_h = None if hlen < 0 or too_long else r.read_exact(hlen + 2)[:-2]
-        if too_long:
-            r.skip(hlen + 2)
-        blen = r.read_bulk_header()
-        if isinstance(blen, ErrorReply):
-            raise RedisDataPlaneError(blen.message)
-        if field_h is None:
-            if blen >= 0:
-                r.skip(blen + 2)
-                v.status = LoadStatus.INVALID
-            else:
-                v.status = LoadStatus.INVALID if too_long else LoadStatus.MISSING
-            return
-        try:
-            if blen < 0:
-                raise InvalidValue("body field missing")
-            hdr = decode_header(field_h)
-            validate_header(
-                hdr,
-                fingerprint=fingerprint,
-                payload_len=size,
-                body_field_len=blen,
-                key=key,
-                require_checksum=self.settings.checksum,
-                parts=parts,
-            )
-        except InvalidValue as e:
-            log.debug("invalid value: %s", e)
-            if blen >= 0:
-                r.skip(blen + 2)
-            v.status = LoadStatus.INVALID
-            return
-        v.field_h, v.header, v.places = bytes(field_h), hdr, hdr.part_layout()
-        self._receive_part(r, dest, v, v.places[0])
-
-    @staticmethod
-    def _receive_part(r: Any, dest: list[memoryview], v: _ValueRead, place: PartPlacement) -> None:
-        """Receive one body field (its length already read and checked) into its place
-        in ``dest``, and put the part's tail after it."""
-        _read_into_pieces(r, _span(dest, place.offset, place.body_len))
-        r.expect_crlf()
-        if place.tail_len:
-            tail = v.field_h[place.tail_at : place.tail_at + place.tail_len]
-            _write_at(dest, place.offset + place.body_len, tail)
-
-    @staticmethod
-    def _finish_value(dest: list[memoryview], v: _ValueRead) -> None:
-        """Final status of a value whose every field was received: its checksum decides."""
-        hdr = v.header
-        assert hdr is not None
-        if hdr.has_checksum and checksum_of_pieces(dest) != hdr.checksum:
-            log.debug("checksum mismatch")
-            v.status = LoadStatus.INVALID
-        else:
-            v.status = LoadStatus.LOADED
 
     # -- misc -------------------------------------------------------------------------
 

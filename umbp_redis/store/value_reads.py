@@ -1,0 +1,254 @@
+"""Reading stored values out of ``HMGET`` replies, straight into the caller's buffers.
+
+A load asks for a value's header field and body fields (``value_format``) with one
+``HMGET`` (or its later parts with one each) and reads the reply here: the header is
+validated against the key, layout fingerprint, size and split before any body byte is
+received, each body lands in its place in the destination, each part's tail after it,
+and the checksum over the whole payload decides the final status. Only bytes that fail
+validation make a value ``INVALID``; an error reply is ``ERROR`` (or the redirect, for
+the cluster client) and a missing key ``MISSING``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from umbp_redis.store.errors import RedisDataPlaneError, RedisLoadingError, RedisRedirectError
+from umbp_redis.store.resp import Buffer, ErrorReply, ReplyReader
+from umbp_redis.store.value_format import (
+    InvalidValue,
+    PartPlacement,
+    ValueHeader,
+    checksum_of_pieces,
+    decode_header,
+    longest_header_field,
+    validate_header,
+)
+
+log = logging.getLogger(__name__)
+
+
+class LoadStatus(enum.Enum):
+    """Outcome of loading one key."""
+
+    LOADED = "loaded"
+    MISSING = "missing"
+    INVALID = "invalid"
+    ERROR = "error"
+
+
+def target_views(target: Buffer | list[Buffer]) -> list[memoryview]:
+    """A load destination as byte views in payload order: one buffer, or a list of
+    buffers that receive consecutive pieces of the payload (e.g. a block's pages in the
+    engine's KV cache)."""
+    if isinstance(target, list):
+        return [memoryview(p).cast("B") for p in target]
+    return [memoryview(target).cast("B")]
+
+
+def views_nbytes(views: Sequence[memoryview]) -> int:
+    """Bytes of a destination given as views (``target_views``)."""
+    return views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
+
+
+def target_nbytes(target: Buffer | list[Buffer]) -> int:
+    """Bytes of a load destination (a buffer, or a list of buffers)."""
+    if isinstance(target, list):
+        return sum(memoryview(p).nbytes for p in target)
+    return memoryview(target).nbytes
+
+
+def _read_into_pieces(reader: ReplyReader, pieces: Sequence[memoryview]) -> None:
+    """Fill ``pieces`` (in order) from the stream."""
+    if len(pieces) == 1:
+        reader.read_exact_into(pieces[0])
+    else:
+        reader.read_exact_into_pieces(pieces)
+
+
+def _span(pieces: Sequence[memoryview], offset: int, n: int) -> list[memoryview]:
+    """Views of payload bytes ``offset .. offset + n`` across ``pieces``."""
+    if len(pieces) == 1:
+        return [pieces[0][offset : offset + n]]
+    out = []
+    pos = 0
+    for p in pieces:
+        end = pos + p.nbytes
+        if n > 0 and end > offset:
+            start = offset - pos
+            take = min(p.nbytes - start, n)
+            out.append(p[start : start + take])
+            offset, n = offset + take, n - take
+        pos = end
+    return out
+
+
+def _write_at(pieces: Sequence[memoryview], offset: int, data: bytes) -> None:
+    """Write ``data`` at payload offset ``offset`` across ``pieces``."""
+    pos = 0
+    for p in pieces:
+        end = pos + p.nbytes
+        if data and end > offset:
+            start = offset - pos
+            take = min(p.nbytes - start, len(data))
+            p[start : start + take] = data[:take]
+            data, offset = data[take:], offset + take
+        pos = end
+
+
+@dataclass
+class ValueRead:
+    """What a load knows of one value while its fields arrive: its header (once read)
+    and its final status (None while it may still load)."""
+
+    field_h: bytes = b""
+    header: ValueHeader | None = None
+    places: list[PartPlacement] = field(default_factory=list)
+    status: LoadStatus | RedisRedirectError | None = None
+
+
+class ValueReader:
+    """Reads one stored value's ``HMGET`` reply (or one part's) into its destination.
+
+    ``require_checksum`` rejects values written without one; ``note_refusal`` is told
+    of an error reply in place of a value (a permission refusal is an operator's
+    matter: the data plane reports it)."""
+
+    def __init__(self, require_checksum: bool, note_refusal: Callable[[ErrorReply], None]) -> None:
+        self._require_checksum = require_checksum
+        self._note_refusal = note_refusal
+
+    def read_fields(
+        self,
+        r: ReplyReader,
+        key: bytes,
+        dest: list[memoryview],
+        fingerprint: bytes,
+        parts: tuple[int, ...] | None,
+        v: ValueRead,
+        first: int,
+        count: int,
+        asking: bool = False,
+    ) -> bool:
+        """Read one HMGET reply holding body fields ``first .. first + count - 1`` of a
+        value (and, when ``first`` is 0, its header field before them) into ``dest``;
+        whatever is wrong is recorded in ``v.status``. True while the value may load.
+        ``asking``: the reply follows ``ASKING``'s, which is read first."""
+        if asking:
+            r.read_reply()  # ASKING's +OK
+        n = r.read_array_header()
+        if isinstance(n, ErrorReply):
+            # MOVED, ASK, READONLY, NOPERM, WRONGTYPE...: the server did not hand over
+            # bytes, so nothing is known about the value: an error, never "invalid".
+            if isinstance(n.exc, RedisLoadingError):
+                raise n.exc
+            if v.status is None:
+                if isinstance(n.exc, RedisRedirectError):
+                    v.status = n.exc
+                else:
+                    self._note_refusal(n)
+                    v.status = LoadStatus.ERROR
+            return False
+        if n != count + (first == 0):
+            raise RedisDataPlaneError(f"HMGET returned {n} fields")
+        part = first
+        if first == 0:
+            self._read_header(r, key, dest, fingerprint, parts, v)
+            part, count = 1, count - 1
+        for i in range(part, part + count):
+            blen = r.read_bulk_header()
+            if isinstance(blen, ErrorReply):
+                raise RedisDataPlaneError(blen.message)
+            if v.status is not None:
+                if blen >= 0:
+                    r.skip(blen + 2)
+                continue
+            if blen < 0:  # gone since its header was read: nothing known of a new one
+                v.status = LoadStatus.ERROR
+                continue
+            place = v.places[i]
+            if blen != place.body_len:
+                log.debug(
+                    "invalid value: body field %d is %d bytes, not %d", i, blen, place.body_len
+                )
+                r.skip(blen + 2)
+                v.status = LoadStatus.INVALID
+                continue
+            self.receive_part(r, dest, v, place)
+        return v.status is None
+
+    def _read_header(
+        self,
+        r: ReplyReader,
+        key: bytes,
+        dest: list[memoryview],
+        fingerprint: bytes,
+        parts: tuple[int, ...] | None,
+        v: ValueRead,
+    ) -> None:
+        """Read a value's header field and first body field into ``v`` and ``dest``."""
+        size = views_nbytes(dest)
+        hlen = r.read_bulk_header()
+        if isinstance(hlen, ErrorReply):
+            raise RedisDataPlaneError(hlen.message)
+        too_long = hlen > longest_header_field(size)
+        field_h = None if hlen < 0 or too_long else r.read_exact(hlen + 2)[:-2]
+        if too_long:
+            r.skip(hlen + 2)
+        blen = r.read_bulk_header()
+        if isinstance(blen, ErrorReply):
+            raise RedisDataPlaneError(blen.message)
+        if field_h is None:
+            if blen >= 0:
+                r.skip(blen + 2)
+                v.status = LoadStatus.INVALID
+            else:
+                v.status = LoadStatus.INVALID if too_long else LoadStatus.MISSING
+            return
+        try:
+            if blen < 0:
+                raise InvalidValue("body field missing")
+            hdr = decode_header(field_h)
+            validate_header(
+                hdr,
+                fingerprint=fingerprint,
+                payload_len=size,
+                body_field_len=blen,
+                key=key,
+                require_checksum=self._require_checksum,
+                parts=parts,
+            )
+        except InvalidValue as e:
+            log.debug("invalid value: %s", e)
+            if blen >= 0:
+                r.skip(blen + 2)
+            v.status = LoadStatus.INVALID
+            return
+        v.field_h, v.header, v.places = bytes(field_h), hdr, hdr.part_layout()
+        self.receive_part(r, dest, v, v.places[0])
+
+    @staticmethod
+    def receive_part(
+        r: ReplyReader, dest: list[memoryview], v: ValueRead, place: PartPlacement
+    ) -> None:
+        """Receive one body field (its length already read and checked) into its place
+        in ``dest``, and put the part's tail after it."""
+        _read_into_pieces(r, _span(dest, place.offset, place.body_len))
+        r.expect_crlf()
+        if place.tail_len:
+            tail = v.field_h[place.tail_at : place.tail_at + place.tail_len]
+            _write_at(dest, place.offset + place.body_len, tail)
+
+    @staticmethod
+    def finish_value(dest: list[memoryview], v: ValueRead) -> None:
+        """Final status of a value whose every field was received: its checksum decides."""
+        hdr = v.header
+        assert hdr is not None
+        if hdr.has_checksum and checksum_of_pieces(dest) != hdr.checksum:
+            log.debug("checksum mismatch")
+            v.status = LoadStatus.INVALID
+        else:
+            v.status = LoadStatus.LOADED
