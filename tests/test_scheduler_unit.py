@@ -17,6 +17,7 @@ from vllm.v1.request import RequestStatus
 from umbp_redis.data import (
     RankTopology,
     StoreEventResult,
+    UMBPConnectorMetadata,
     UMBPConnectorWorkerMetadata,
     UMBPHandshakeMetadata,
 )
@@ -263,6 +264,23 @@ def test_blocks_already_in_redis_are_not_sent_again(model_config: ModelConfig) -
     assert [list(b.block_ids) for b in meta.stores] == [[3]]
 
 
+def _step_of_a_sync_load(
+    s: UMBPScheduler, plane: ScriptedDataPlane
+) -> tuple[FakeRequest, UMBPConnectorMetadata]:
+    """A request of 4 blocks and 40 tokens, 2 blocks in Redis, in blocks 1-5; the meta
+    of its first step (the sync load of blocks 1-2, computing the rest)."""
+    req = request(4 * BS + 40)
+    assert s.codec is not None
+    plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+    s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
+    meta = s.build_connector_meta(
+        _step(new=[("r1", ([1, 2, 3, 4, 5],), 2 * BS)], sched={"r1": 2 * BS + 40})
+    )
+    return req, meta
+
+
 @pytest.mark.parametrize(("tp", "async_scheduling"), [(1, False), (2, False), (2, True)])
 def test_with_several_ranks_a_sync_loads_step_stores_its_blocks_once_its_outcome_is_in(
     model_config: ModelConfig, tp: int, async_scheduling: bool
@@ -276,15 +294,7 @@ def test_with_several_ranks_a_sync_loads_step_stores_its_blocks_once_its_outcome
     s = make_scheduler(
         model_config, plane, tp=tp, load_async=False, async_scheduling=async_scheduling
     )
-    req = request(4 * BS + 40)
-    assert s.codec is not None
-    plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
-    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
-    ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
-    s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
-    meta = s.build_connector_meta(
-        _step(new=[("r1", ([1, 2, 3, 4, 5],), 2 * BS)], sched={"r1": 2 * BS + 40})
-    )
+    req, meta = _step_of_a_sync_load(s, plane)
     assert [b.load_async for b in meta.loads] == [False]
     planned = [[list(b.block_ids) for b in meta.stores]]
     for n in range(2):
@@ -317,15 +327,7 @@ def test_a_request_that_ends_while_its_stores_are_held_stores_them_if_it_stopped
     )
     pool = FakeBlockPool(32)
     s.bind_block_pool(pool)
-    req = request(4 * BS + 40)
-    assert s.codec is not None
-    plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
-    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
-    ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
-    s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
-    meta = s.build_connector_meta(
-        _step(new=[("r1", ([1, 2, 3, 4, 5],), 2 * BS)], sched={"r1": 2 * BS + 40})
-    )
+    req, meta = _step_of_a_sync_load(s, plane)
     assert [b.load_async for b in meta.loads] == [False] and meta.stores == []
     if async_scheduling:  # the next step was scheduled before the output came back
         step = _step(cached=[("r1", None, 4 * BS + 40)], sched={"r1": 1})
