@@ -7,10 +7,12 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,6 +76,24 @@ def key_in_slot(slot: int, tag: str = "s") -> bytes:
 
 
 # --- slots and maps -------------------------------------------------------------------
+
+
+def test_a_node_whose_bus_port_was_taken_starts_on_other_ports() -> None:
+    """Ports are chosen before the nodes start; one taken meanwhile (here the first
+    master's bus port, held by a listening socket) moves that node to another pair,
+    and the cluster forms. Nodes' ports lie below the kernel's ephemeral range, where
+    outgoing connections never take them."""
+    cl = EmbeddedCluster(masters=3, replicas_per_master=0)
+    first = cl.masters[0].port
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(n.port + 10000 < lo for n in cl.nodes)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", first + 10000))
+        squatter.listen()
+        with cl:
+            assert cl.masters[0].port != first
+            info = cl.client(cl.masters[0]).execute_command("CLUSTER", "INFO").decode()
+            assert "cluster_state:ok" in info
 
 
 def test_key_slot_is_the_servers(cluster: EmbeddedCluster) -> None:

@@ -2,8 +2,10 @@
 
 ``EmbeddedCluster(masters=3, replicas_per_master=1)`` starts the nodes from the same
 ``redis-server`` binary as ``EmbeddedRedis`` (nothing on disk, loopback, free ports with
-a free bus port at +10000), assigns the 16384 slots evenly, makes the replicas and
-waits until every node reports ``cluster_state:ok``. No ``redis-cli`` is needed.
+a free bus port at +10000, both below the kernel's ephemeral range; a node whose port
+was taken before it started moves to another pair), assigns the 16384 slots evenly,
+makes the replicas and waits until every node reports ``cluster_state:ok``. No
+``redis-cli`` is needed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import random
 import socket
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import redis
 
@@ -29,10 +32,26 @@ def _port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def _node_port_range() -> tuple[int, int]:
+    """Ports ``p`` for which ``p`` and its bus port ``p + 10000`` both lie below the
+    kernel's ephemeral range: outgoing connections take their local ports from that
+    range, so a port there that was free a moment ago can be taken before the node
+    binds it. 20000-55000 where the range is unknown or leaves too little room below."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        first_ephemeral = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 20000, 55000
+    top = first_ephemeral - 1 - 10000
+    bottom = max(1024, top - 12000)
+    return (bottom, top) if top - bottom >= 1000 else (20000, 55000)
+
+
 def free_cluster_port(taken: set[int], host: str = "127.0.0.1") -> int:
-    """A port whose cluster bus port (+10000) is free too."""
+    """A port whose cluster bus port (+10000) is free too (see ``_node_port_range``)."""
+    bottom, top = _node_port_range()
     for _ in range(1000):
-        port = random.randint(20000, 55000)
+        port = random.randint(bottom, top)
         if port in taken or port + 10000 in taken:
             continue
         if _port_free(port, host) and _port_free(port + 10000, host):
@@ -146,6 +165,7 @@ class EmbeddedCluster:
         extra_args: Sequence[str] = (),
     ) -> None:
         taken: set[int] = set()
+        self._taken = taken
         args = [*cluster_node_args(node_timeout_ms, full_coverage), *extra_args]
         self.masters = [EmbeddedRedis(args, port=free_cluster_port(taken)) for _ in range(masters)]
         self.replicas = [
@@ -167,7 +187,7 @@ class EmbeddedCluster:
         """Start the nodes and form the cluster."""
         try:
             for n in self.nodes:
-                n.start()
+                self._start_node(n)
             form_cluster(
                 [("127.0.0.1", n.port) for n in self.masters],
                 [("127.0.0.1", n.port) for n in self.replicas],
@@ -176,6 +196,19 @@ class EmbeddedCluster:
             self.cleanup()
             raise
         return self
+
+    def _start_node(self, node: EmbeddedRedis, attempts: int = 5) -> None:
+        """Start a node before the cluster is formed; a port (or bus port) taken since
+        it was chosen gets the node another pair of ports."""
+        for attempt in range(attempts):
+            try:
+                node.start()
+                return
+            except RuntimeError as e:
+                if "Address already in use" not in str(e) or attempt == attempts - 1:
+                    raise
+                node.port = free_cluster_port(self._taken)
+                (node.log_path.parent / "nodes.conf").unlink(missing_ok=True)
 
     def client(self, node: EmbeddedRedis) -> redis.Redis:
         """A redis-py client of one node."""
