@@ -96,6 +96,30 @@ def test_a_node_whose_bus_port_was_taken_starts_on_other_ports() -> None:
             assert "cluster_state:ok" in info
 
 
+def test_a_server_whose_chosen_port_was_taken_starts_on_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``EmbeddedRedis()`` picks a free port; one taken before the server binds it
+    (here by a listening socket) is replaced by another. A port given explicitly is
+    never replaced: the server fails to start."""
+    import umbp_redis.ops.embedded_redis as embedded
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        real = embedded.free_port
+        monkeypatch.setattr(embedded, "free_port", lambda: next(ports, None) or real())
+        with EmbeddedRedis() as srv:
+            assert srv.port != taken
+            assert redis.Redis.from_url(srv.url).ping()
+        pinned = EmbeddedRedis(port=taken)
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            pinned.start()
+        pinned.cleanup()
+
+
 def test_key_slot_is_the_servers(cluster: EmbeddedCluster) -> None:
     c = cluster.client(cluster.masters[0])
     rng = random.Random(3)

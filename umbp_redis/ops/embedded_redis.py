@@ -61,6 +61,7 @@ class EmbeddedRedis:
     ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port()
+        self._port_chosen_here = port is None  # may move if taken before the server binds it
         self.extra_args = list(extra_args)
         self.password = password
         self.tls_files = tls_files  # (cert, key, CA) to serve TLS only
@@ -84,7 +85,20 @@ class EmbeddedRedis:
         return self._dir / "redis.log"
 
     def start(self) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING. A port this object chose
+        (no ``port`` given) that was taken before the server bound it is replaced by
+        another free one, a few times at most."""
+        for attempt in range(5):
+            try:
+                return self._start_once()
+            except RuntimeError as e:
+                taken = "Address already in use" in str(e)
+                if not (taken and self._port_chosen_here) or attempt == 4:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> EmbeddedRedis:
         port_args = ["--port", str(self.port)]
         if self.tls_files:
             cert, key, ca = self.tls_files
