@@ -100,8 +100,8 @@ def test_a_server_whose_chosen_port_was_taken_starts_on_another(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``EmbeddedRedis()`` picks a free port; one taken before the server binds it
-    (here by a listening socket) is replaced by another. A port given explicitly is
-    never replaced: the server fails to start."""
+    (here by a listening socket) is replaced by another. A port given explicitly, or
+    one a server has run on, is never replaced: the server fails to start."""
     import umbp_redis.ops.embedded_redis as embedded
 
     with socket.socket() as squatter:
@@ -114,6 +114,12 @@ def test_a_server_whose_chosen_port_was_taken_starts_on_another(
         with EmbeddedRedis() as srv:
             assert srv.port != taken
             assert redis.Redis.from_url(srv.url).ping()
+            srv.stop()  # once started, a restart keeps its port, taken or not
+            with socket.socket() as again:
+                again.bind(("127.0.0.1", srv.port))
+                again.listen()
+                with pytest.raises(RuntimeError, match="Address already in use"):
+                    srv.start()
         pinned = EmbeddedRedis(port=taken)
         with pytest.raises(RuntimeError, match="Address already in use"):
             pinned.start()

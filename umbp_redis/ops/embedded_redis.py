@@ -61,7 +61,7 @@ class EmbeddedRedis:
     ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port()
-        self._port_chosen_here = port is None  # may move if taken before the server binds it
+        self._port_chosen_here = port is None  # may move if taken before the first start
         self.extra_args = list(extra_args)
         self.password = password
         self.tls_files = tls_files  # (cert, key, CA) to serve TLS only
@@ -85,12 +85,15 @@ class EmbeddedRedis:
         return self._dir / "redis.log"
 
     def start(self) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING. A port this object chose
-        (no ``port`` given) that was taken before the server bound it is replaced by
-        another free one, a few times at most."""
+        """Start the server and wait until it answers PING. On the first start, a port
+        this object chose (no ``port`` given) that was taken before the server bound it
+        is replaced by another free one, a few times at most; later starts (``restart``)
+        keep the port."""
         for attempt in range(5):
             try:
-                return self._start_once()
+                self._start_once()
+                self._port_chosen_here = False  # clients know this port now
+                return self
             except RuntimeError as e:
                 taken = "Address already in use" in str(e)
                 if not (taken and self._port_chosen_here) or attempt == 4:
