@@ -165,13 +165,13 @@ class EmbeddedCluster:
         extra_args: Sequence[str] = (),
     ) -> None:
         taken: set[int] = set()
-        self._taken = taken
         args = [*cluster_node_args(node_timeout_ms, full_coverage), *extra_args]
-        self.masters = [EmbeddedRedis(args, port=free_cluster_port(taken)) for _ in range(masters)]
-        self.replicas = [
-            EmbeddedRedis(args, port=free_cluster_port(taken))
-            for _ in range(masters * replicas_per_master)
-        ]
+
+        def node() -> EmbeddedRedis:
+            return EmbeddedRedis(args, choose_port=lambda: free_cluster_port(taken))
+
+        self.masters = [node() for _ in range(masters)]
+        self.replicas = [node() for _ in range(masters * replicas_per_master)]
 
     @property
     def nodes(self) -> list[EmbeddedRedis]:
@@ -187,7 +187,7 @@ class EmbeddedCluster:
         """Start the nodes and form the cluster."""
         try:
             for n in self.nodes:
-                self._start_node(n)
+                n.start()
             form_cluster(
                 [("127.0.0.1", n.port) for n in self.masters],
                 [("127.0.0.1", n.port) for n in self.replicas],
@@ -196,19 +196,6 @@ class EmbeddedCluster:
             self.cleanup()
             raise
         return self
-
-    def _start_node(self, node: EmbeddedRedis, attempts: int = 5) -> None:
-        """Start a node before the cluster is formed; a port (or bus port) taken since
-        it was chosen gets the node another pair of ports."""
-        for attempt in range(attempts):
-            try:
-                node.start()
-                return
-            except RuntimeError as e:
-                if "Address already in use" not in str(e) or attempt == attempts - 1:
-                    raise
-                node.port = free_cluster_port(self._taken)
-                (node.log_path.parent / "nodes.conf").unlink(missing_ok=True)
 
     def client(self, node: EmbeddedRedis) -> redis.Redis:
         """A redis-py client of one node."""

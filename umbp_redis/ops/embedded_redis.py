@@ -12,7 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -45,7 +45,8 @@ class EmbeddedRedis:
     """A private redis-server process; use as a context manager or call start()/stop().
 
     ``extra_args`` are passed to the server (e.g. ``["--requirepass", "pw"]``).
-    ``url`` is ready once ``start()`` returns.
+    ``url`` is ready once ``start()`` returns. Without ``port``, ``choose_port`` finds
+    one (and another if it is taken before the first start binds it).
     """
 
     def __init__(
@@ -58,9 +59,11 @@ class EmbeddedRedis:
         password: str | None = None,
         tls_files: tuple[str, str, str] | None = None,
         start_timeout: float = 10.0,
+        choose_port: Callable[[], int] = free_port,
     ) -> None:
         self.binary = binary or find_redis_server()
-        self.port = port or free_port()
+        self._choose_port = choose_port  # without ``port``: how a free one is found
+        self.port = port or choose_port()
         self._port_chosen_here = port is None  # may move if taken before the first start
         self.extra_args = list(extra_args)
         self.password = password
@@ -98,7 +101,10 @@ class EmbeddedRedis:
                 taken = "Address already in use" in str(e)
                 if not (taken and self._port_chosen_here) or attempt == 4:
                     raise
-                self.port = free_port()
+                self.port = self._choose_port()
+                for f in self._dir.iterdir():  # what the failed start wrote names its port
+                    if f != self.log_path:
+                        f.unlink(missing_ok=True)
         raise AssertionError("unreachable")
 
     def _start_once(self) -> EmbeddedRedis:
