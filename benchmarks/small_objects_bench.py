@@ -71,14 +71,9 @@ def bare_receive(port: int, keys: list[str], inflight: int) -> float:
         b"*4\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n$1\r\nb\r\n" % (len(k), k.encode())
         for k in keys
     ]
-    groups: list[range] = []
-    start, acc = 0, 0
-    for i, n in enumerate(sizes):
-        if i > start and acc + n > inflight // 2:
-            groups.append(range(start, i))
-            start, acc = i, 0
-        acc += n
-    groups.append(range(start, len(keys)))
+    from umbp_redis.store.plane import _groups  # the data plane's own windows
+
+    groups = _groups(sizes, inflight // 2)
     scratch = memoryview(bytearray(max(sum(sizes[i] for i in g) for g in groups)))
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
