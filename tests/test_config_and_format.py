@@ -22,6 +22,8 @@ from umbp_redis.store.value_format import (
     decode_header,
     encode_header,
     encode_value,
+    expected_header,
+    key_digest,
     validate_header,
 )
 
@@ -185,10 +187,47 @@ def test_header_round_trip_and_validation() -> None:
         decode_header(b"XXXX" + h[4:])
     with pytest.raises(InvalidValue, match="version 1"):
         decode_header(h[:4] + b"\x01\x00" + h[6:])  # the format before key digests
+    with pytest.raises(InvalidValue, match="unknown flags"):  # a later writer's meaning
+        decode_header(h[:6] + b"\x03\x00" + h[8:])
     with pytest.raises(InvalidValue, match="shorter"):
         decode_header(h[:20])
     with pytest.raises(InvalidValue, match="tail bytes"):
         decode_header(h + b"extra")
+
+
+@pytest.mark.parametrize("parts", [None, (16 << 10, 16 << 10, 32 << 10)])
+def test_the_expected_header_accepts_exactly_what_decoding_accepts(
+    parts: tuple[int, ...] | None,
+) -> None:
+    """A reader compares a checksummed header with the one its shape must have instead
+    of decoding it. That shortcut accepts the writer's header, and no header with any
+    one byte changed, or written without a checksum, or of another shape or key."""
+    payload = memoryview(bytes(range(256)) * 256)  # 64 KiB
+    fp, key = b"\x05" * 16, b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:cc"
+    h, bodies = encode_value(fp, payload, key, with_checksum=True, parts=parts)
+    exp = expected_header(fp, payload.nbytes, parts)
+    first = bodies[0][1]
+    assert exp.matches(h, key_digest(key), first)
+    assert exp.checksum_of(h) == checksum(payload)
+    assert list(exp.places) == decode_header(h).part_layout()
+    tails_at = exp.field_len - (payload.nbytes - sum(n for _, n in bodies))
+    for i in range(len(h)):
+        changed = h[:i] + bytes([h[i] ^ 0x5A]) + h[i + 1 :]
+        # The checksum and the payload's tails are not part of the shape: the payload's
+        # checksum catches those bytes once every body has arrived.
+        per_value = 40 <= i < 48 or i >= tails_at
+        assert exp.matches(changed, key_digest(key), first) is per_value, i
+    assert not exp.matches(h + b"x", key_digest(key), first)
+    assert not exp.matches(h[:-1], key_digest(key), first)
+    assert not exp.matches(h, key_digest(key + b"d"), first)
+    assert not exp.matches(h, key_digest(key), first - 1)
+    unsummed = encode_value(fp, payload, key, with_checksum=False, parts=parts)[0]
+    assert not exp.matches(unsummed, key_digest(key), first)
+    assert not expected_header(b"\x06" * 16, payload.nbytes, parts).matches(
+        h, key_digest(key), first
+    )
+    other_split = (32 << 10, 32 << 10) if parts else (16 << 10, 48 << 10)
+    assert not expected_header(fp, payload.nbytes, other_split).matches(h, key_digest(key), first)
 
 
 def test_a_value_in_parts_round_trips_and_is_bound_to_its_split() -> None:

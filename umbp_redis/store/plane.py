@@ -19,6 +19,7 @@ malformed reply: results say per key what happened.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 import time
@@ -271,15 +272,18 @@ def _error_status(err: ErrorReply) -> StoreStatus:
     return StoreStatus.OOM if isinstance(err.exc, RedisOOMError) else StoreStatus.ERROR
 
 
+@functools.cache
+def _hmget_frame(parts: int) -> tuple[bytes, bytes]:
+    """What comes before a key's length in an HMGET of ``parts`` body fields, and after
+    the key: the header field's and every body field's names."""
+    fields = b"".join(b"$%d\r\n%s\r\n" % (len(f), f) for f in (body_field(i) for i in range(parts)))
+    return b"*%d\r\n$5\r\nHMGET\r\n$" % (parts + 3), b"\r\n$1\r\nh\r\n" + fields
+
+
 def _hmget_cmd(k: bytes, parts: int = 1) -> bytes:
     """HMGET of a value's header field and its ``parts`` body fields."""
-    fields = b"".join(b"$%d\r\n%s\r\n" % (len(f), f) for f in (body_field(i) for i in range(parts)))
-    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s" % (
-        parts + 3,
-        len(k),
-        k,
-        fields,
-    )
+    head, fields = _hmget_frame(parts)
+    return b"%s%d\r\n%s%s" % (head, len(k), k, fields)
 
 
 def _hmget_part_cmd(k: bytes, part: int) -> bytes:

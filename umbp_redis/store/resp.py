@@ -210,7 +210,11 @@ class ReplyReader:
 
     def expect_crlf(self) -> None:
         """Consume the CRLF that ends a bulk payload."""
-        if self.read_exact(2) != CRLF:
+        while self.end - self.start < 2:
+            self._fill()
+        if self.buf.startswith(CRLF, self.start):
+            self.start += 2
+        else:
             raise RedisProtocolError("bulk payload not followed by CRLF")
 
     # -- replies ---------------------------------------------------------------------

@@ -25,7 +25,7 @@ Header (little-endian)::
     offset size field
     0      4    magic  b"UMBP"
     4      2    format version (2: one part, 3: parts)
-    6      2    flags (bit 0: checksum present)
+    6      2    flags (bit 0: checksum present; a reader rejects any other bit)
     8      16   layout fingerprint of the object
     24     8    payload length
     32     8    body length (all body fields together)
@@ -51,6 +51,7 @@ MAGIC = b"UMBP"
 FORMAT_VERSION = 2
 PARTS_FORMAT_VERSION = 3
 FLAG_CHECKSUM = 1
+KNOWN_FLAGS = FLAG_CHECKSUM
 HEADER = struct.Struct("<4sHH16sQQQ16s")
 HEADER_SIZE = HEADER.size  # 64
 KEY_DIGEST_SIZE = 16
@@ -182,6 +183,15 @@ def part_placements(lengths: Sequence[int], tails_offset: int) -> list[PartPlace
     return out
 
 
+def _part_table(lengths: Sequence[int]) -> tuple[bytes, list[PartPlacement], int]:
+    """For parts of ``lengths``: the part table (empty for one part: version 2), each
+    part's placement, and the body fields' total length."""
+    split = len(lengths) > 1
+    table = _COUNT.pack(len(lengths)) + b"".join(_LENGTH.pack(x) for x in lengths) if split else b""
+    placed = part_placements(lengths, HEADER_SIZE + len(table))
+    return table, placed, sum(p.body_len for p in placed)
+
+
 def encode_header(
     fingerprint: bytes, payload: memoryview, key: bytes, *, with_checksum: bool
 ) -> tuple[bytes, int]:
@@ -207,14 +217,11 @@ def encode_value(
     lengths = part_split(parts) or (n,)
     if sum(lengths) != n or min(lengths) <= 0 or len(lengths) > MAX_STORED_PARTS:
         raise ValueError(f"parts {lengths} do not split a payload of {n} bytes")
-    split = len(lengths) > 1
-    table = _COUNT.pack(len(lengths)) + b"".join(_LENGTH.pack(x) for x in lengths) if split else b""
-    placed = part_placements(lengths, HEADER_SIZE + len(table))
-    body = sum(p.body_len for p in placed)
+    table, placed, body = _part_table(lengths)
     csum = checksum(payload) if with_checksum else 0
     head = HEADER.pack(
         MAGIC,
-        PARTS_FORMAT_VERSION if split else FORMAT_VERSION,
+        PARTS_FORMAT_VERSION if table else FORMAT_VERSION,
         FLAG_CHECKSUM if with_checksum else 0,
         fingerprint,
         n,
@@ -239,6 +246,8 @@ def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
     if version not in (FORMAT_VERSION, PARTS_FORMAT_VERSION):
         raise InvalidValue(f"unsupported format version {version}")
     magic, version, flags, fp, plen, blen, csum, kd = HEADER.unpack_from(field_h, 0)
+    if flags & ~KNOWN_FLAGS:  # a later writer's flag may change how to read the payload
+        raise InvalidValue(f"unknown flags {flags:#x}")
     if blen > plen:
         raise InvalidValue(f"body length {blen} exceeds payload length {plen}")
     parts: tuple[int, ...] = ()
@@ -261,6 +270,65 @@ def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
             f"expected {hdr.tail_len}"
         )
     return hdr
+
+
+@dataclass(frozen=True)
+class ExpectedHeader:
+    """Every byte a valid ``h`` field of one object shape must hold, but the checksum
+    and key digest, which differ per value: a reader compares a field against this in a
+    few slice compares instead of decoding it (``matches``). Only a value written with
+    a checksum has this shape; one without goes through ``decode_header``."""
+
+    fixed: bytes  # h[0:40]: magic, version, flags, fingerprint, payload and body lengths
+    table: bytes  # h[64:tails_offset]: the part table (empty for version 2)
+    field_len: int  # len(h): header, part table and every part's tail
+    first_body_len: int  # bytes of field ``b``
+    places: tuple[PartPlacement, ...]
+
+    def matches(self, field_h: bytes, key_digest_: bytes, first_body_len: int) -> bool:
+        """Whether ``field_h`` (with a first body field of ``first_body_len`` bytes) is a
+        valid header of this shape under the key of digest ``key_digest_``."""
+        return (
+            len(field_h) == self.field_len
+            and first_body_len == self.first_body_len
+            and field_h.startswith(self.fixed)
+            and field_h[_DIGEST_AT:HEADER_SIZE] == key_digest_
+            and field_h[HEADER_SIZE : HEADER_SIZE + len(self.table)] == self.table
+        )
+
+    @staticmethod
+    def checksum_of(field_h: bytes) -> int:
+        """The payload checksum a field that ``matches`` carries."""
+        return int.from_bytes(field_h[_CHECKSUM_AT:_DIGEST_AT], "little")
+
+
+_CHECKSUM_AT = 40
+_DIGEST_AT = 48
+
+
+def expected_header(
+    fingerprint: bytes, payload_len: int, parts: Sequence[int] | None = None
+) -> ExpectedHeader:
+    """The ``ExpectedHeader`` of objects of ``payload_len`` bytes in this layout, stored
+    with a checksum in ``parts`` (None: whole, version 2) as ``encode_value`` writes them."""
+    table, placed, body = _part_table(part_split(parts) or (payload_len,))
+    head = HEADER.pack(
+        MAGIC,
+        PARTS_FORMAT_VERSION if table else FORMAT_VERSION,
+        FLAG_CHECKSUM,
+        fingerprint,
+        payload_len,
+        body,
+        0,
+        bytes(KEY_DIGEST_SIZE),
+    )
+    return ExpectedHeader(
+        fixed=head[:_CHECKSUM_AT],
+        table=table,
+        field_len=HEADER_SIZE + len(table) + payload_len - body,
+        first_body_len=placed[0].body_len,
+        places=tuple(placed),
+    )
 
 
 def validate_header(

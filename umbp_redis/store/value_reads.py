@@ -14,21 +14,26 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from umbp_redis.store.errors import RedisDataPlaneError, RedisLoadingError, RedisRedirectError
 from umbp_redis.store.resp import Buffer, ErrorReply, ReplyReader
 from umbp_redis.store.value_format import (
+    ExpectedHeader,
     InvalidValue,
     PartPlacement,
-    ValueHeader,
     checksum_of_pieces,
     decode_header,
+    expected_header,
+    key_digest,
     longest_header_field,
     validate_header,
 )
 
 log = logging.getLogger(__name__)
+# Object shapes (layout, size, split) a reader keeps the expected header of; an engine
+# has one or two, so more means a caller cycling through sizes: start over.
+_MAX_SHAPES = 64
 
 
 class LoadStatus(enum.Enum):
@@ -99,14 +104,15 @@ def _write_at(pieces: Sequence[memoryview], offset: int, data: bytes) -> None:
         pos = end
 
 
-@dataclass
+@dataclass(slots=True)
 class ValueRead:
-    """What a load knows of one value while its fields arrive: its header (once read)
+    """What a load knows of one value while its fields arrive: from its header (once
+    read) where each part goes and the checksum to verify (None: written without one),
     and its final status (None while it may still load)."""
 
     field_h: bytes = b""
-    header: ValueHeader | None = None
-    places: list[PartPlacement] = field(default_factory=list)
+    places: Sequence[PartPlacement] = ()
+    checksum: int | None = None
     status: LoadStatus | RedisRedirectError | None = None
 
 
@@ -120,6 +126,19 @@ class ValueReader:
     def __init__(self, require_checksum: bool, note_refusal: Callable[[ErrorReply], None]) -> None:
         self._require_checksum = require_checksum
         self._note_refusal = note_refusal
+        self._shapes: dict[tuple[bytes, int, tuple[int, ...] | None], ExpectedHeader] = {}
+
+    def _expected(
+        self, fingerprint: bytes, size: int, parts: tuple[int, ...] | None
+    ) -> ExpectedHeader:
+        """The header every checksummed value of this shape carries (kept per shape)."""
+        shape = (fingerprint, size, parts)
+        exp = self._shapes.get(shape)
+        if exp is None:
+            if len(self._shapes) >= _MAX_SHAPES:
+                self._shapes.clear()
+            exp = self._shapes[shape] = expected_header(fingerprint, size, parts)
+        return exp
 
     def read_fields(
         self,
@@ -208,6 +227,11 @@ class ValueReader:
             else:
                 v.status = LoadStatus.INVALID if too_long else LoadStatus.MISSING
             return
+        exp = self._expected(fingerprint, size, parts)
+        if exp.matches(field_h, key_digest(key), blen):  # the usual case, in a few compares
+            v.field_h, v.places, v.checksum = field_h, exp.places, exp.checksum_of(field_h)
+            self.receive_part(r, dest, v, exp.places[0])
+            return
         try:
             if blen < 0:
                 raise InvalidValue("body field missing")
@@ -227,7 +251,8 @@ class ValueReader:
                 r.skip(blen + 2)
             v.status = LoadStatus.INVALID
             return
-        v.field_h, v.header, v.places = bytes(field_h), hdr, hdr.part_layout()
+        v.field_h, v.places = bytes(field_h), hdr.part_layout()
+        v.checksum = hdr.checksum if hdr.has_checksum else None
         self.receive_part(r, dest, v, v.places[0])
 
     @staticmethod
@@ -236,6 +261,16 @@ class ValueReader:
     ) -> None:
         """Receive one body field (its length already read and checked) into its place
         in ``dest``, and put the part's tail after it."""
+        if len(dest) == 1:  # one destination buffer: no pieces to walk
+            whole, start = dest[0], place.offset
+            body_end = start + place.body_len
+            r.read_exact_into(whole[start:body_end])
+            r.expect_crlf()
+            if place.tail_len:
+                whole[body_end : body_end + place.tail_len] = v.field_h[
+                    place.tail_at : place.tail_at + place.tail_len
+                ]
+            return
         _read_into_pieces(r, _span(dest, place.offset, place.body_len))
         r.expect_crlf()
         if place.tail_len:
@@ -245,9 +280,8 @@ class ValueReader:
     @staticmethod
     def finish_value(dest: list[memoryview], v: ValueRead) -> None:
         """Final status of a value whose every field was received: its checksum decides."""
-        hdr = v.header
-        assert hdr is not None
-        if hdr.has_checksum and checksum_of_pieces(dest) != hdr.checksum:
+        assert v.places, "finish_value before the header was read"
+        if v.checksum is not None and checksum_of_pieces(dest) != v.checksum:
             log.debug("checksum mismatch")
             v.status = LoadStatus.INVALID
         else:
