@@ -363,7 +363,16 @@ def test_error_replies_to_a_load_are_errors_never_invalid(error: bytes) -> None:
 
 @pytest.mark.parametrize(
     "reply",
-    [b":abc\r\n", b"$zz\r\n", b"*2\r\n$99999999999999\r\n", b"?\r\n", b":-\r\n"],
+    [
+        b":abc\r\n",
+        b"$zz\r\n",
+        b"*2\r\n$99999999999999\r\n",
+        b"?\r\n",
+        b":-\r\n",
+        # A 64 KiB value's framing with no CRLF after field h (the "$" is right after).
+        b"*2\r\n$80\r\n" + b"h" * 80 + b"$65520\r\n" + b"b" * 65520 + b"\r\n",
+    ],
+    ids=["int", "bulk", "huge", "type", "sign", "no-crlf"],
 )
 def test_malformed_replies_are_misses_never_exceptions(reply: bytes) -> None:
     srv = FakeServer(lambda data: reply * 4)
@@ -795,6 +804,39 @@ def test_reading_into_pieces_takes_buffered_then_received_bytes(scatter_read: bo
     reader.read_exact_into_pieces([view[x:y] for x, y in zip(cuts, cuts[1:], strict=False)])
     t.join()
     assert bytes(out) == data
+    a.close()
+    b.close()
+
+
+def test_reading_a_known_framing_takes_it_whole_or_nothing() -> None:
+    """``read_expected`` takes a reply's known framing and field only when all of it is
+    there; a reply of another shape, or one cut short in the buffer, is left untouched
+    for the field-by-field parser, and it never waits on bytes that may not come."""
+    a, b = socket.socketpair()
+    a.settimeout(2)
+    reader = resp.ReplyReader(a)
+    frame = b"*2\r\n$4\r\n"
+    # A missing key's reply: shorter than the frame promises; nothing is consumed.
+    b.sendall(b"*2\r\n$-1\r\n$-1\r\n")
+    t0 = time.monotonic()
+    assert reader.read_expected(frame, 4) is None
+    assert time.monotonic() - t0 < 1  # did not wait for more
+    assert reader.read_reply() == [None, None]
+    # The expected reply, in one send: the field comes back, the next field follows.
+    b.sendall(b"*2\r\n$4\r\nhead\r\n$3\r\nabc\r\n")
+    assert reader.read_expected(frame, 4) == b"head"
+    assert reader.read_reply() == b"abc"
+    # Cut in the middle of the field: nothing consumed, the parser reads it all.
+    b.sendall(b"*2\r\n$4\r\nhe")
+    reader._fill()
+    assert reader.read_expected(frame, 4) is None
+    b.sendall(b"ad\r\n$3\r\nxyz\r\n")
+    assert reader.read_reply() == [b"head", b"xyz"]
+    # Same framing, no CRLF after the field: not taken (the parser then refuses it).
+    b.sendall(b"*2\r\n$4\r\nheadXX$3\r\nabc\r\n")
+    assert reader.read_expected(frame, 4) is None
+    with pytest.raises(resp.RedisProtocolError):
+        reader.read_reply()
     a.close()
     b.close()
 

@@ -183,6 +183,24 @@ class ReplyReader:
     def _recvmsg_into(self, pieces: list[memoryview]) -> int:
         return self._receive(lambda: int(self.sock.recvmsg_into(pieces)[0]))
 
+    def read_expected(self, frame: bytes, n: int) -> bytes | None:
+        """If the stream goes on with ``frame`` (framing known in advance, e.g. an array
+        header and a bulk header), ``n`` bytes and a CRLF, all of it buffered (or
+        arrived in one receive into an empty buffer): consume it and return the ``n``
+        bytes. Otherwise consume nothing and return None: the caller reads the reply
+        piece by piece. Waits only while nothing at all is buffered, which a caller
+        expecting a reply would do anyway."""
+        if self.start == self.end:
+            self._fill()
+        at = self.start + len(frame)
+        end = at + n + 2
+        if end > self.end or not self.buf.startswith(frame, self.start):
+            return None
+        if not self.buf.startswith(CRLF, end - 2):
+            return None
+        self.start = end
+        return bytes(self.view[at : end - 2])
+
     def read_exact(self, n: int) -> bytes:
         """``n`` bytes from the stream."""
         if n > MAX_BUFFERED_REPLY:
@@ -192,6 +210,13 @@ class ReplyReader:
         out = bytes(self.buf[self.start : self.start + n])
         self.start += n
         return out
+
+    def read_bulk_payload(self, n: int) -> bytes:
+        """The ``n`` bytes of a bulk string (its header already read) and its CRLF."""
+        data = self.read_exact(n + 2)
+        if not data.endswith(CRLF):
+            raise RedisProtocolError("bulk payload not followed by CRLF")
+        return data[:-2]
 
     def peek_buffered(self, n: int) -> bytes | None:
         """The next ``n`` bytes if already buffered (not consumed; never reads), else None."""
@@ -235,8 +260,7 @@ class ReplyReader:
             n = parse_int(rest)
             if n < 0:
                 return None
-            data = self.read_exact(n + 2)
-            return data[:-2]
+            return self.read_bulk_payload(n)
         if kind == b"*":
             n = parse_int(rest)
             if n < 0:

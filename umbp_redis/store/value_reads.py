@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # Object shapes (layout, size, split) a reader keeps the expected header of; an engine
 # has one or two, so more means a caller cycling through sizes: start over.
 _MAX_SHAPES = 64
+_Shape = tuple[bytes, int, tuple[int, ...] | None, int]  # layout, size, split, reply fields
 
 
 class LoadStatus(enum.Enum):
@@ -126,19 +127,21 @@ class ValueReader:
     def __init__(self, require_checksum: bool, note_refusal: Callable[[ErrorReply], None]) -> None:
         self._require_checksum = require_checksum
         self._note_refusal = note_refusal
-        self._shapes: dict[tuple[bytes, int, tuple[int, ...] | None], ExpectedHeader] = {}
+        self._shapes: dict[_Shape, tuple[ExpectedHeader, bytes]] = {}
 
     def _expected(
-        self, fingerprint: bytes, size: int, parts: tuple[int, ...] | None
-    ) -> ExpectedHeader:
-        """The header every checksummed value of this shape carries (kept per shape)."""
-        shape = (fingerprint, size, parts)
-        exp = self._shapes.get(shape)
-        if exp is None:
+        self, fingerprint: bytes, size: int, parts: tuple[int, ...] | None, fields: int
+    ) -> tuple[ExpectedHeader, bytes]:
+        """The header every checksummed value of this shape carries, and the framing
+        that precedes it in a reply of ``fields`` fields (kept per shape)."""
+        shape = (fingerprint, size, parts, fields)
+        known = self._shapes.get(shape)
+        if known is None:
             if len(self._shapes) >= _MAX_SHAPES:
                 self._shapes.clear()
-            exp = self._shapes[shape] = expected_header(fingerprint, size, parts)
-        return exp
+            exp = expected_header(fingerprint, size, parts)
+            known = self._shapes[shape] = (exp, b"*%d\r\n$%d\r\n" % (fields, exp.field_len))
+        return known
 
     def read_fields(
         self,
@@ -158,6 +161,12 @@ class ValueReader:
         ``asking``: the reply follows ``ASKING``'s, which is read first."""
         if asking:
             r.read_reply()  # ASKING's +OK
+        elif first == 0:  # the usual reply: its framing is known, parse it in one step
+            exp, frame = self._expected(fingerprint, views_nbytes(dest), parts, count + 1)
+            field_h = r.read_expected(frame, exp.field_len)
+            if field_h is not None:
+                self._check_header(r, key, dest, fingerprint, parts, v, field_h, exp)
+                return self._read_bodies(r, dest, v, 1, count - 1)
         n = r.read_array_header()
         if isinstance(n, ErrorReply):
             # MOVED, ASK, READONLY, NOPERM, WRONGTYPE...: the server did not hand over
@@ -173,11 +182,16 @@ class ValueReader:
             return False
         if n != count + (first == 0):
             raise RedisDataPlaneError(f"HMGET returned {n} fields")
-        part = first
         if first == 0:
-            self._read_header(r, key, dest, fingerprint, parts, v)
-            part, count = 1, count - 1
-        for i in range(part, part + count):
+            self._read_header(r, key, dest, fingerprint, parts, v, n)
+            return self._read_bodies(r, dest, v, 1, count - 1)
+        return self._read_bodies(r, dest, v, first, count)
+
+    def _read_bodies(
+        self, r: ReplyReader, dest: list[memoryview], v: ValueRead, first: int, count: int
+    ) -> bool:
+        """Read body fields ``first .. first + count - 1`` of a reply into ``dest``."""
+        for i in range(first, first + count):
             blen = r.read_bulk_header()
             if isinstance(blen, ErrorReply):
                 raise RedisDataPlaneError(blen.message)
@@ -207,31 +221,52 @@ class ValueReader:
         fingerprint: bytes,
         parts: tuple[int, ...] | None,
         v: ValueRead,
+        fields: int,
     ) -> None:
-        """Read a value's header field and first body field into ``v`` and ``dest``."""
+        """Read a value's header field and first body field (of a reply of ``fields``
+        fields) into ``v`` and ``dest``."""
         size = views_nbytes(dest)
         hlen = r.read_bulk_header()
         if isinstance(hlen, ErrorReply):
             raise RedisDataPlaneError(hlen.message)
         too_long = hlen > longest_header_field(size)
-        field_h = None if hlen < 0 or too_long else r.read_exact(hlen + 2)[:-2]
+        field_h = None if hlen < 0 or too_long else r.read_bulk_payload(hlen)
         if too_long:
             r.skip(hlen + 2)
-        blen = r.read_bulk_header()
-        if isinstance(blen, ErrorReply):
-            raise RedisDataPlaneError(blen.message)
         if field_h is None:
+            blen = r.read_bulk_header()
+            if isinstance(blen, ErrorReply):
+                raise RedisDataPlaneError(blen.message)
             if blen >= 0:
                 r.skip(blen + 2)
                 v.status = LoadStatus.INVALID
             else:
                 v.status = LoadStatus.INVALID if too_long else LoadStatus.MISSING
             return
-        exp = self._expected(fingerprint, size, parts)
+        exp = self._expected(fingerprint, size, parts, fields)[0]
+        self._check_header(r, key, dest, fingerprint, parts, v, field_h, exp)
+
+    def _check_header(
+        self,
+        r: ReplyReader,
+        key: bytes,
+        dest: list[memoryview],
+        fingerprint: bytes,
+        parts: tuple[int, ...] | None,
+        v: ValueRead,
+        field_h: bytes,
+        exp: ExpectedHeader,
+    ) -> None:
+        """Validate a value's header field (already read) against the first body field's
+        length (read here) and receive that body into ``dest``; or record why not."""
+        blen = r.read_bulk_header()
+        if isinstance(blen, ErrorReply):
+            raise RedisDataPlaneError(blen.message)
         if exp.matches(field_h, key_digest(key), blen):  # the usual case, in a few compares
             v.field_h, v.places, v.checksum = field_h, exp.places, exp.checksum_of(field_h)
             self.receive_part(r, dest, v, exp.places[0])
             return
+        size = views_nbytes(dest)
         try:
             if blen < 0:
                 raise InvalidValue("body field missing")
