@@ -262,6 +262,6 @@ def test_a_value_in_parts_round_trips_and_is_bound_to_its_split() -> None:
     one, bodies1 = encode_value(fp, payload, key, with_checksum=True, parts=(payload.nbytes,))
     assert decode_header(one).version == 2
     assert one == encode_header(fp, payload, key, with_checksum=True)[0]
-    assert bodies1 == [(0, body_length(payload.nbytes))]
+    assert bodies1 == ((0, body_length(payload.nbytes)),)
     with pytest.raises(ValueError, match="do not split"):
         encode_value(fp, payload, key, with_checksum=True, parts=(1, 2))

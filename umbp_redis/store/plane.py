@@ -286,6 +286,17 @@ def _hmget_cmd(k: bytes, parts: int = 1) -> bytes:
     return b"%s%d\r\n%s%s" % (head, len(k), k, fields)
 
 
+@functools.lru_cache(maxsize=64)
+def _body_heads(bodies: tuple[tuple[int, int], ...]) -> tuple[bytes, ...]:
+    """For HSET of body fields of these (offset, length): what goes before each body's
+    bytes: the CRLF ending the previous argument (but for the first), the field's name
+    and the body's bulk prefix."""
+    return tuple(
+        (b"\r\n" if i else b"") + b"$%d\r\n%s\r\n" % (len(f), f) + bulk_prefix(n)
+        for i, (f, (_, n)) in enumerate((body_field(i), b) for i, b in enumerate(bodies))
+    )
+
+
 def _hmget_part_cmd(k: bytes, part: int) -> bytes:
     """HMGET of body field ``part`` (>= 1) alone."""
     f = body_field(part)
@@ -643,27 +654,24 @@ class RedisDataPlane:
         # a TTL, which volatile-* eviction would never remove).
         bufs: list[Buffer] = []
         with_checksum = self.settings.checksum
-        pending_small = bytearray()
         multi = _ASKING + _MULTI if asking else _MULTI
         nargs = 4 + 2 * _part_count(parts)
+        after = b""  # the previous object's EXPIRE and EXEC, sent with this one's start
         for key, payload in group:
             field_h, bodies = encode_value(
                 fingerprint, payload, key, with_checksum=with_checksum, parts=parts
             )
-            pending_small += multi + (
-                b"*%d\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n%s%s\r\n"
-                % (nargs, len(key), key, bulk_prefix(len(field_h)), field_h)
+            heads = _body_heads(bodies)
+            bufs.append(
+                b"%s%s*%d\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n$%d\r\n%s\r\n%s"
+                % (after, multi, nargs, len(key), key, len(field_h), field_h, heads[0])
             )
             for i, (offset, body_len) in enumerate(bodies):
-                f = body_field(i)
                 if i:
-                    pending_small += b"\r\n"
-                pending_small += b"$%d\r\n%s\r\n%s" % (len(f), f, bulk_prefix(body_len))
-                bufs.append(bytes(pending_small))
+                    bufs.append(heads[i])
                 bufs.append(payload[offset : offset + body_len])
-                pending_small = bytearray()
-            pending_small = bytearray(b"\r\n" + _expire_cmd(key, ttl) + _EXEC)
-        bufs.append(bytes(pending_small))
+            after = b"\r\n" + _expire_cmd(key, ttl) + _EXEC
+        bufs.append(after)
         send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
 
     def _read_stores(

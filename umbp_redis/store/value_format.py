@@ -41,6 +41,7 @@ pass together.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -183,13 +184,35 @@ def part_placements(lengths: Sequence[int], tails_offset: int) -> list[PartPlace
     return out
 
 
-def _part_table(lengths: Sequence[int]) -> tuple[bytes, list[PartPlacement], int]:
-    """For parts of ``lengths``: the part table (empty for one part: version 2), each
-    part's placement, and the body fields' total length."""
+@dataclass(frozen=True)
+class PartTable:
+    """What every value split into parts of the same lengths shares: the part table
+    (empty for one part: version 2), each part's placement, each body field's (payload
+    offset, length), the body fields' and the parts' total lengths."""
+
+    table: bytes
+    places: tuple[PartPlacement, ...]
+    bodies: tuple[tuple[int, int], ...]
+    body_len: int
+    payload_len: int
+
+
+@functools.lru_cache(maxsize=64)
+def part_table(lengths: tuple[int, ...]) -> PartTable:
+    """The ``PartTable`` of parts of ``lengths`` (kept per lengths: an engine stores
+    one or two shapes over and over)."""
+    if not lengths or min(lengths) <= 0 or len(lengths) > MAX_STORED_PARTS:
+        raise ValueError(f"parts {lengths} are not a split of a payload")
     split = len(lengths) > 1
     table = _COUNT.pack(len(lengths)) + b"".join(_LENGTH.pack(x) for x in lengths) if split else b""
-    placed = part_placements(lengths, HEADER_SIZE + len(table))
-    return table, placed, sum(p.body_len for p in placed)
+    placed = tuple(part_placements(lengths, HEADER_SIZE + len(table)))
+    return PartTable(
+        table,
+        placed,
+        tuple((p.offset, p.body_len) for p in placed),
+        sum(p.body_len for p in placed),
+        sum(lengths),
+    )
 
 
 def encode_header(
@@ -207,33 +230,37 @@ def encode_value(
     *,
     with_checksum: bool,
     parts: Sequence[int] | None = None,
-) -> tuple[bytes, list[tuple[int, int]]]:
+) -> tuple[bytes, tuple[tuple[int, int], ...]]:
     """The ``h`` field for ``payload`` stored under ``key``, and each body field's
     (payload offset, length) in part order. ``parts`` (lengths adding up to the
     payload's) splits it into version 3 parts; None or one part writes version 2."""
     if len(fingerprint) != 16:
         raise ValueError("layout fingerprint must be 16 bytes")
     n = payload.nbytes
-    lengths = part_split(parts) or (n,)
-    if sum(lengths) != n or min(lengths) <= 0 or len(lengths) > MAX_STORED_PARTS:
-        raise ValueError(f"parts {lengths} do not split a payload of {n} bytes")
-    table, placed, body = _part_table(lengths)
-    csum = checksum(payload) if with_checksum else 0
+    try:
+        shape = part_table(part_split(parts) or (n,))
+    except ValueError:
+        shape = None
+    if shape is None or shape.payload_len != n:
+        raise ValueError(f"parts {tuple(parts or ())} do not split a payload of {n} bytes")
     head = HEADER.pack(
         MAGIC,
-        PARTS_FORMAT_VERSION if table else FORMAT_VERSION,
+        PARTS_FORMAT_VERSION if shape.table else FORMAT_VERSION,
         FLAG_CHECKSUM if with_checksum else 0,
         fingerprint,
         n,
-        body,
-        csum,
+        shape.body_len,
+        checksum(payload) if with_checksum else 0,
         key_digest(key),
     )
-    tails = b"".join(
-        payload[p.offset + p.body_len : p.offset + p.body_len + p.tail_len].tobytes()
-        for p in placed
-    )
-    return head + table + tails, [(p.offset, p.body_len) for p in placed]
+    if len(shape.places) == 1:  # version 2: the tail is the payload's end
+        tails = payload[shape.body_len :].tobytes()
+    else:
+        tails = b"".join(
+            payload[p.offset + p.body_len : p.offset + p.body_len + p.tail_len].tobytes()
+            for p in shape.places
+        )
+    return head + shape.table + tails, shape.bodies
 
 
 def decode_header(field_h: bytes | bytearray | memoryview) -> ValueHeader:
@@ -311,7 +338,8 @@ def expected_header(
 ) -> ExpectedHeader:
     """The ``ExpectedHeader`` of objects of ``payload_len`` bytes in this layout, stored
     with a checksum in ``parts`` (None: whole, version 2) as ``encode_value`` writes them."""
-    table, placed, body = _part_table(part_split(parts) or (payload_len,))
+    shape = part_table(part_split(parts) or (payload_len,))
+    table, placed, body = shape.table, shape.places, shape.body_len
     head = HEADER.pack(
         MAGIC,
         PARTS_FORMAT_VERSION if table else FORMAT_VERSION,
