@@ -20,7 +20,9 @@ script measures, in one run against one private server, interleaved (best of
   checksum (``bare receive``).
 
 Prints GB/s (and, for this client, the least CPU time it used per object, all its
-threads) and each figure over its like-for-like redis-benchmark baseline.
+threads; for this client and redis-benchmark over as many keys, the least CPU time the
+server used per object, from ``INFO cpu``) and each figure over its like-for-like
+redis-benchmark baseline.
 
 Usage: .venv/bin/python benchmarks/small_objects_bench.py [--size 65536] [--repeats 4]
        [--inflight 4194304,1048576]
@@ -40,9 +42,11 @@ from pathlib import Path
 import numpy as np
 import redis
 
+RB_REQUESTS = 20000  # requests of each redis-benchmark test but the fresh-key SET
+
 
 def redis_benchmark(
-    port: int, size: int, keyspace: int | None, tests: str, requests: int = 20000
+    port: int, size: int, keyspace: int | None, tests: str, requests: int = RB_REQUESTS
 ) -> dict[str, float]:
     """GB/s of redis-benchmark (4 clients, pipeline 4) for ``tests`` (e.g. "set,get")."""
     exe = shutil.which("redis-benchmark")
@@ -114,11 +118,20 @@ def main() -> None:
     best: dict[str, float] = {}
 
     cpu: dict[str, float] = {}  # least client CPU (all threads) per object, us
+    server: dict[str, float] = {}  # least server CPU per object (INFO cpu), us
 
-    def keep(name: str, value: float, cpu_s: float | None = None) -> None:
+    def keep(
+        name: str,
+        value: float,
+        cpu_s: float | None = None,
+        server_s: float | None = None,
+        objects: int = count,
+    ) -> None:
         best[name] = max(best.get(name, 0.0), value)
         if cpu_s is not None:
-            cpu[name] = min(cpu.get(name, float("inf")), cpu_s / count * 1e6)
+            cpu[name] = min(cpu.get(name, float("inf")), cpu_s / objects * 1e6)
+        if server_s is not None:
+            server[name] = min(server.get(name, float("inf")), server_s / objects * 1e6)
 
     with EmbeddedRedis() as srv:
         base = RedisSettings.from_url(srv.url)
@@ -130,8 +143,13 @@ def main() -> None:
         keys = [f"umbp:vllm:v1:small:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(count)]
         stores = list(zip(keys, staging, strict=True))
         loads = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
+        admin = redis.Redis.from_url(srv.url)
+
+        def server_cpu() -> float:
+            info = admin.info("cpu")
+            return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
         for _ in range(args.repeats):
-            admin = redis.Redis.from_url(srv.url)
             admin.flushall()  # this run's private server
             fresh = redis_benchmark(srv.port, size, FRESH_KEYSPACE, "set", count)
             written = admin.dbsize()
@@ -140,16 +158,21 @@ def main() -> None:
             for test, v in fresh.items():
                 keep(f"redis-benchmark {test.upper()} fresh keys", v)
             admin.flushall()
-            for name, rates in (
-                ("one key", redis_benchmark(srv.port, size, None, "set,get")),
-                (f"{count} keys", redis_benchmark(srv.port, size, count, "set,get")),
-            ):
-                for test, v in rates.items():
-                    keep(f"redis-benchmark {test.upper()} {name}", v)
+            for test, v in redis_benchmark(srv.port, size, None, "set,get").items():
+                keep(f"redis-benchmark {test.upper()} one key", v)
+            for test in ("set", "get"):  # one at a time, to count the server's CPU of each
+                s0 = server_cpu()
+                for t, v in redis_benchmark(srv.port, size, count, test).items():
+                    keep(
+                        f"redis-benchmark {t.upper()} {count} keys",
+                        v,
+                        server_s=server_cpu() - s0,
+                        objects=RB_REQUESTS,
+                    )
             admin.flushall()
             for w, plane in planes.items():
                 for phase in ("fresh", "existing"):
-                    c0, t0 = time.process_time(), time.perf_counter()
+                    s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
                     st = plane.store(stores, FINGERPRINT)
                     dt, dc = time.perf_counter() - t0, time.process_time() - c0
                     assert all(s is StoreStatus.STORED for s in st)
@@ -157,12 +180,14 @@ def main() -> None:
                         f"umbp store {phase} keys, inflight {w >> 10} KiB",
                         count * size / dt / 1e9,
                         dc,
+                        server_cpu() - s0,
                     )
-                c0, t0 = time.process_time(), time.perf_counter()
+                s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
                 lt = plane.load(loads, FINGERPRINT)
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                ds = server_cpu() - s0
                 assert all(s is LoadStatus.LOADED for s in lt) and np.array_equal(dest, staging)
-                keep(f"umbp load, inflight {w >> 10} KiB", count * size / dt / 1e9, dc)
+                keep(f"umbp load, inflight {w >> 10} KiB", count * size / dt / 1e9, dc, ds)
                 if w == 1 << 20:
                     bare = bare_receive(srv.port, keys, w)
                     keep("bare receive (Python, 1 conn, 1 MiB)", count * size / bare / 1e9)
@@ -170,6 +195,7 @@ def main() -> None:
     print(f"{count} objects of {size} bytes, best of {args.repeats} (GB/s)")
     for name, v in best.items():
         used = f"   client CPU {cpu[name]:5.1f} us/object" if name in cpu else ""
+        used += f"   server CPU {server[name]:5.1f} us/object" if name in server else ""
         print(f"  {name:45s} {v:6.2f}{used}")
     one_set, one_get = (
         best.get("redis-benchmark SET one key"),
@@ -189,12 +215,12 @@ def main() -> None:
                 f"{count}-key SET {se / many_set:.2f}x (one-key SET {se / one_set:.2f}x); "
                 f"load/{count}-key GET {ld / many_get:.2f}x (one-key GET {ld / one_get:.2f}x)"
             )
-    bare = best.get("bare receive (Python, 1 conn, 1 MiB)")
-    if bare and many_get:
-        ld = best.get("umbp load, inflight 1024 KiB")
+    bare_rate = best.get("bare receive (Python, 1 conn, 1 MiB)")
+    if bare_rate and many_get:
+        loaded = best.get("umbp load, inflight 1024 KiB")
         print(
-            f"bare receive / {count}-key GET {bare / many_get:.2f}x"
-            + (f"; umbp load (1 MiB) / bare receive {ld / bare:.2f}x" if ld else "")
+            f"bare receive / {count}-key GET {bare_rate / many_get:.2f}x"
+            + (f"; umbp load (1 MiB) / bare receive {loaded / bare_rate:.2f}x" if loaded else "")
         )
 
 
