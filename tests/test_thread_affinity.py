@@ -18,6 +18,7 @@ from umbp_redis.store.thread_affinity import (
     omp_bound_cpus,
     parse_cpu_list,
     transfer_cpu_set,
+    usable_cpu_count,
 )
 
 FP = b"\x05" * 16
@@ -163,3 +164,50 @@ def test_a_pinner_that_fails_never_breaks_the_thread_pool(
     monkeypatch.setattr(os, "sched_setaffinity", broken)
     with ThreadPoolExecutor(1, initializer=ThreadPinner("0")) as pool:
         assert pool.submit(lambda: 42).result() == 42
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def test_usable_cpus_are_the_containers_not_the_threads(tmp_path: Path) -> None:
+    """``auto`` connection counts read how many CPUs the container may use: a cgroup v2
+    or v1 CPU quota (rounded up) or cpuset lowers the machine's count; no limit, or
+    files that cannot be read, leave it; a thread's own affinity is not counted."""
+    v2 = tmp_path / "v2"
+    _write(v2 / "cgroup.controllers", "cpuset cpu memory")
+    _write(v2 / "pod" / "cpu.max", "150000 100000")
+    _write(v2 / "pod" / "cpuset.cpus.effective", "0-63")
+    assert usable_cpu_count(64, str(v2), "0::/pod") == 2
+    _write(v2 / "pod" / "cpu.max", "max 100000")
+    assert usable_cpu_count(64, str(v2), "0::/pod") == 64
+    _write(v2 / "pod" / "cpuset.cpus.effective", "4-6")
+    assert usable_cpu_count(64, str(v2), "0::/pod") == 3
+
+    v1 = tmp_path / "v1"
+    cgroup = "12:cpuset:/\n4:cpu,cpuacct:/job\n1:name=systemd:/\n"
+    _write(v1 / "cpu,cpuacct" / "job" / "cpu.cfs_quota_us", "300000")
+    _write(v1 / "cpu,cpuacct" / "job" / "cpu.cfs_period_us", "100000")
+    _write(v1 / "cpuset" / "cpuset.effective_cpus", "0-15")
+    assert usable_cpu_count(16, str(v1), cgroup) == 3
+    _write(v1 / "cpu,cpuacct" / "job" / "cpu.cfs_quota_us", "-1")
+    assert usable_cpu_count(16, str(v1), cgroup) == 16
+    _write(v1 / "cpuset" / "cpuset.effective_cpus", "0,2")
+    assert usable_cpu_count(16, str(v1), cgroup) == 2
+
+    assert usable_cpu_count(8, str(tmp_path / "none"), "0::/") == 8  # nothing readable
+    _write(tmp_path / "bad" / "cgroup.controllers", "cpu")
+    _write(tmp_path / "bad" / "cpu.max", "lots 100000")
+    _write(tmp_path / "bad" / "cpuset.cpus.effective", "zero-two")
+    assert usable_cpu_count(8, str(tmp_path / "bad"), "0::/") == 8
+
+    # This process: its own thread pinned to one CPU still counts every usable CPU.
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
+        before = os.sched_getaffinity(0)
+        whole = usable_cpu_count()
+        os.sched_setaffinity(0, {min(before)})
+        try:
+            assert usable_cpu_count() == whole
+        finally:
+            os.sched_setaffinity(0, before)

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from umbp_redis.store.errors import ConfigError
-from umbp_redis.store.thread_affinity import validate_transfer_cpus
+from umbp_redis.store.thread_affinity import usable_cpu_count, validate_transfer_cpus
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,9 @@ OPTIONS: tuple[Option, ...] = (
         (int, str),
         "auto",
         "Connections one large store or load batch is spread over (an int >= 1, or auto). "
-        "auto: 1 on a machine of fewer than 4 CPUs, else 2. Each connection is a Python "
+        "auto: 1 where fewer than 4 CPUs are usable (the machine's, or fewer where the "
+        "container's cgroup limits them to a cpuset or a CPU quota), else 2. Each "
+        "connection is a Python "
         "thread receiving; on 2 cores a second one contends with the forward pass and the "
         "Redis server for the cores and the GIL.",
         minimum=1,
@@ -364,8 +366,9 @@ def validate_options(
 
 def transfer_connection_count(value: int | str, cpus: int | None = None) -> int:
     """The connection count option ``transfer_connections`` names: ``value`` itself, or
-    for ``auto`` 1 on a machine of fewer than 4 CPUs (``cpus``, default this one's),
-    else 2; ``ConfigError`` for any other string."""
+    for ``auto`` 1 where fewer than 4 CPUs are usable (``cpus``, default the CPUs this
+    process's container may use: ``usable_cpu_count``), else 2; ``ConfigError`` for any
+    other string."""
     if isinstance(value, int):
         return value
     if value != "auto":
@@ -373,7 +376,7 @@ def transfer_connection_count(value: int | str, cpus: int | None = None) -> int:
             "kv_connector_extra_config['transfer_connections'] must be an int >= 1 or "
             f"'auto', got {value!r}"
         )
-    cpus = cpus if cpus is not None else os.cpu_count() or 1
+    cpus = cpus if cpus is not None else usable_cpu_count()
     return 1 if cpus < 4 else 2
 
 

@@ -93,6 +93,70 @@ def vllm_bound_cpus(environ: Mapping[str, str]) -> frozenset[int]:
         return frozenset()
 
 
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_dirs(proc_cgroup: str, root: str) -> tuple[str | None, str | None]:
+    """The cgroup folders holding this process's CPU quota and cpuset files: for cgroup
+    v2 one unified folder, for v1 the ``cpu`` and ``cpuset`` controllers' own."""
+    quota_dir = cpuset_dir = None
+    for line in proc_cgroup.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        path = path.lstrip("/")
+        if hierarchy == "0" and controllers == "" and os.path.exists(
+            os.path.join(root, "cgroup.controllers")
+        ):
+            return os.path.join(root, path), os.path.join(root, path)
+        names = controllers.split(",")
+        if "cpu" in names:
+            quota_dir = os.path.join(root, controllers, path)
+        if "cpuset" in names:
+            cpuset_dir = os.path.join(root, controllers, path)
+    return quota_dir, cpuset_dir
+
+
+def usable_cpu_count(
+    cpu_count: int | None = None, root: str = "/sys/fs/cgroup", proc_cgroup: str | None = None
+) -> int:
+    """CPUs this process's container may use: the machine's (``cpu_count``, default
+    ``os.cpu_count()``), fewer where its cgroup (v1 or v2) limits it to a cpuset or to a
+    CPU quota (a quota of 1.5 CPUs counts as 2). A thread's own affinity is not
+    counted: vLLM's CPU worker narrows it to the forward pass's cores, which are not the
+    CPUs the transfer threads may run on. Unreadable files limit nothing."""
+    cpus = cpu_count if cpu_count is not None else os.cpu_count() or 1
+    if proc_cgroup is None:
+        proc_cgroup = _read("/proc/self/cgroup") or ""
+    quota_dir, cpuset_dir = _cgroup_dirs(proc_cgroup, root)
+    if cpuset_dir is not None:
+        listed = _read(os.path.join(cpuset_dir, "cpuset.cpus.effective")) or _read(
+            os.path.join(cpuset_dir, "cpuset.effective_cpus")
+        )
+        try:
+            if listed:
+                cpus = min(cpus, len(parse_cpu_list(listed)))
+        except ValueError:
+            pass
+    if quota_dir is not None:
+        v2 = (_read(os.path.join(quota_dir, "cpu.max")) or "").split()
+        quota, period = (
+            (v2[0], v2[1])
+            if len(v2) == 2
+            else (
+                _read(os.path.join(quota_dir, "cpu.cfs_quota_us")) or "max",
+                _read(os.path.join(quota_dir, "cpu.cfs_period_us")) or "0",
+            )
+        )
+        if quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
+            cpus = min(cpus, -(-int(quota) // int(period)))
+    return max(1, cpus)
+
+
 def numa_node(cpu: int) -> int:
     """The NUMA node of ``cpu`` as sysfs names it (0 where it names none)."""
     for entry in glob.glob(f"/sys/devices/system/cpu/cpu{cpu}/node[0-9]*"):
