@@ -109,8 +109,10 @@ def _cgroup_dirs(proc_cgroup: str, root: str) -> tuple[str | None, str | None]:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         path = path.lstrip("/")
-        if hierarchy == "0" and controllers == "" and os.path.exists(
-            os.path.join(root, "cgroup.controllers")
+        if (
+            hierarchy == "0"
+            and controllers == ""
+            and os.path.exists(os.path.join(root, "cgroup.controllers"))
         ):
             return os.path.join(root, path), os.path.join(root, path)
         names = controllers.split(",")
