@@ -196,6 +196,12 @@ def test_usable_cpus_are_the_containers_not_the_threads(tmp_path: Path) -> None:
     _write(v1 / "cpuset" / "cpuset.effective_cpus", "0,2")
     assert usable_cpu_count(16, str(v1), cgroup) == 2
 
+    # A container whose cgroup is mounted as the root, named by the host's path.
+    inner = tmp_path / "inner"
+    _write(inner / "cpu,cpuacct" / "cpu.cfs_quota_us", "200000")
+    _write(inner / "cpu,cpuacct" / "cpu.cfs_period_us", "100000")
+    assert usable_cpu_count(16, str(inner), "4:cpu,cpuacct:/docker/0123abcd\n") == 2
+
     assert usable_cpu_count(8, str(tmp_path / "none"), "0::/") == 8  # nothing readable
     _write(tmp_path / "bad" / "cgroup.controllers", "cpu")
     _write(tmp_path / "bad" / "cpu.max", "lots 100000")

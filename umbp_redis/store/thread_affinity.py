@@ -108,19 +108,27 @@ def _cgroup_dirs(proc_cgroup: str, root: str) -> tuple[str | None, str | None]:
     for line in proc_cgroup.splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        path = path.lstrip("/")
         if (
             hierarchy == "0"
             and controllers == ""
             and os.path.exists(os.path.join(root, "cgroup.controllers"))
         ):
-            return os.path.join(root, path), os.path.join(root, path)
+            own = _own_cgroup(root, path)
+            return own, own
         names = controllers.split(",")
         if "cpu" in names:
-            quota_dir = os.path.join(root, controllers, path)
+            quota_dir = _own_cgroup(os.path.join(root, controllers), path)
         if "cpuset" in names:
-            cpuset_dir = os.path.join(root, controllers, path)
+            cpuset_dir = _own_cgroup(os.path.join(root, controllers), path)
     return quota_dir, cpuset_dir
+
+
+def _own_cgroup(mount: str, path: str) -> str:
+    """The folder of cgroup ``path`` under ``mount``; the mount itself where that path
+    is not there (a container sees its own cgroup mounted as the root while
+    ``/proc/self/cgroup`` names it by the host's path)."""
+    own = os.path.join(mount, path.lstrip("/"))
+    return own if os.path.isdir(own) else mount
 
 
 def usable_cpu_count(
