@@ -800,12 +800,11 @@ class RedisDataPlane:
         def read(conn: RedisConnection, g: range) -> list[LoadStatus | RedisRedirectError]:
             res = []
             for j in g:
-                key, dest = sub[idx[j]]
-                v = ValueRead()
+                v = ValueRead(*sub[idx[j]])
                 if self._values.read_fields(
-                    conn.reader, key, dest, fingerprint, parts, v, 0, nparts, bool(pre)
+                    conn.reader, v, fingerprint, parts, 0, nparts, bool(pre)
                 ):
-                    self._values.finish_value(dest, v)
+                    self._values.finish_value(v)
                 assert v.status is not None
                 res.append(v.status)
             if on_loaded is not None:
@@ -842,7 +841,7 @@ class RedisDataPlane:
         each part through ``on_part`` once this connection's keys have it."""
         window = max(1, self.settings.max_inflight_bytes // 2)
         units = [(p, j) for p in range(len(parts)) for j in range(len(idx))]
-        state = [ValueRead() for _ in idx]
+        state = [ValueRead(*sub[i]) for i in idx]
         last = len(idx) - 1
 
         def command(p: int, j: int) -> bytes:
@@ -852,10 +851,7 @@ class RedisDataPlane:
         def read(conn: RedisConnection, g: range) -> list[None]:
             for u in g:
                 p, j = units[u]
-                key, dest = sub[idx[j]]
-                self._values.read_fields(
-                    conn.reader, key, dest, fingerprint, parts, state[j], p, 1, bool(pre)
-                )
+                self._values.read_fields(conn.reader, state[j], fingerprint, parts, p, 1, bool(pre))
                 if j == last:  # a key sent elsewhere (MOVED, ASK) is reported from there
                     on_part(
                         p,
@@ -880,9 +876,9 @@ class RedisDataPlane:
                 lambda g: read(conn, g),
             )
         out: list[LoadStatus | RedisRedirectError] = []
-        for (_, dest), v in zip((sub[i] for i in idx), state, strict=True):
+        for v in state:
             if v.status is None:
-                self._values.finish_value(dest, v)
+                self._values.finish_value(v)
             assert v.status is not None
             out.append(v.status)
         if on_loaded is not None:

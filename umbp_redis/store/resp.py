@@ -213,10 +213,9 @@ class ReplyReader:
 
     def read_bulk_payload(self, n: int) -> bytes:
         """The ``n`` bytes of a bulk string (its header already read) and its CRLF."""
-        data = self.read_exact(n + 2)
-        if not data.endswith(CRLF):
-            raise RedisProtocolError("bulk payload not followed by CRLF")
-        return data[:-2]
+        data = self.read_exact(n)
+        self.expect_crlf()
+        return data
 
     def peek_buffered(self, n: int) -> bytes | None:
         """The next ``n`` bytes if already buffered (not consumed; never reads), else None."""

@@ -153,18 +153,24 @@ def usable_cpu_count(
         except ValueError:
             pass
     if quota_dir is not None:
-        v2 = (_read(os.path.join(quota_dir, "cpu.max")) or "").split()
-        quota, period = (
-            (v2[0], v2[1])
-            if len(v2) == 2
-            else (
-                _read(os.path.join(quota_dir, "cpu.cfs_quota_us")) or "max",
-                _read(os.path.join(quota_dir, "cpu.cfs_period_us")) or "0",
-            )
-        )
-        if quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
-            cpus = min(cpus, -(-int(quota) // int(period)))
+        quota = _quota_cpus(quota_dir)
+        if quota is not None:
+            cpus = min(cpus, quota)
     return max(1, cpus)
+
+
+def _quota_cpus(folder: str) -> int | None:
+    """CPUs the CPU quota in cgroup ``folder`` allows, rounded up (v2 ``cpu.max``, else
+    v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``); None without one."""
+    v2 = (_read(os.path.join(folder, "cpu.max")) or "").split()
+    if len(v2) == 2:
+        quota, period = v2
+    else:
+        quota = _read(os.path.join(folder, "cpu.cfs_quota_us")) or "max"
+        period = _read(os.path.join(folder, "cpu.cfs_period_us")) or "0"
+    if not (quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0):
+        return None
+    return -(-int(quota) // int(period))
 
 
 def numa_node(cpu: int) -> int:

@@ -202,7 +202,7 @@ def part_table(lengths: tuple[int, ...]) -> PartTable:
     """The ``PartTable`` of parts of ``lengths`` (kept per lengths: an engine stores
     one or two shapes over and over)."""
     if not lengths or min(lengths) <= 0 or len(lengths) > MAX_STORED_PARTS:
-        raise ValueError(f"parts {lengths} are not a split of a payload")
+        raise ValueError(f"parts {lengths} do not split a payload")
     split = len(lengths) > 1
     table = _COUNT.pack(len(lengths)) + b"".join(_LENGTH.pack(x) for x in lengths) if split else b""
     placed = tuple(part_placements(lengths, HEADER_SIZE + len(table)))
@@ -237,11 +237,8 @@ def encode_value(
     if len(fingerprint) != 16:
         raise ValueError("layout fingerprint must be 16 bytes")
     n = payload.nbytes
-    try:
-        shape = part_table(part_split(parts) or (n,))
-    except ValueError:
-        shape = None
-    if shape is None or shape.payload_len != n:
+    shape = part_table(part_split(parts) or (n,))  # ValueError for a malformed split
+    if shape.payload_len != n:
         raise ValueError(f"parts {tuple(parts or ())} do not split a payload of {n} bytes")
     head = HEADER.pack(
         MAGIC,
@@ -339,23 +336,22 @@ def expected_header(
     """The ``ExpectedHeader`` of objects of ``payload_len`` bytes in this layout, stored
     with a checksum in ``parts`` (None: whole, version 2) as ``encode_value`` writes them."""
     shape = part_table(part_split(parts) or (payload_len,))
-    table, placed, body = shape.table, shape.places, shape.body_len
     head = HEADER.pack(
         MAGIC,
-        PARTS_FORMAT_VERSION if table else FORMAT_VERSION,
+        PARTS_FORMAT_VERSION if shape.table else FORMAT_VERSION,
         FLAG_CHECKSUM,
         fingerprint,
         payload_len,
-        body,
+        shape.body_len,
         0,
         bytes(KEY_DIGEST_SIZE),
     )
     return ExpectedHeader(
         fixed=head[:_CHECKSUM_AT],
-        table=table,
-        field_len=HEADER_SIZE + len(table) + payload_len - body,
-        first_body_len=placed[0].body_len,
-        places=tuple(placed),
+        table=shape.table,
+        field_len=HEADER_SIZE + len(shape.table) + payload_len - shape.body_len,
+        first_body_len=shape.places[0].body_len,
+        places=shape.places,
     )
 
 

@@ -107,10 +107,13 @@ def _write_at(pieces: Sequence[memoryview], offset: int, data: bytes) -> None:
 
 @dataclass(slots=True)
 class ValueRead:
-    """What a load knows of one value while its fields arrive: from its header (once
+    """One value a load reads: its key and destination (byte views in payload order:
+    ``target_views``), and what is known while its fields arrive: from its header (once
     read) where each part goes and the checksum to verify (None: written without one),
     and its final status (None while it may still load)."""
 
+    key: bytes
+    dest: list[memoryview]
     field_h: bytes = b""
     places: Sequence[PartPlacement] = ()
     checksum: int | None = None
@@ -146,27 +149,27 @@ class ValueReader:
     def read_fields(
         self,
         r: ReplyReader,
-        key: bytes,
-        dest: list[memoryview],
+        v: ValueRead,
         fingerprint: bytes,
         parts: tuple[int, ...] | None,
-        v: ValueRead,
         first: int,
         count: int,
         asking: bool = False,
     ) -> bool:
-        """Read one HMGET reply holding body fields ``first .. first + count - 1`` of a
-        value (and, when ``first`` is 0, its header field before them) into ``dest``;
-        whatever is wrong is recorded in ``v.status``. True while the value may load.
-        ``asking``: the reply follows ``ASKING``'s, which is read first."""
+        """Read one HMGET reply holding body fields ``first .. first + count - 1`` of
+        value ``v`` of this layout and split (and, when ``first`` is 0, its header field
+        before them) into ``v.dest``; whatever is wrong is recorded in ``v.status``.
+        True while the value may load. ``asking``: the reply follows ``ASKING``'s, which
+        is read first."""
         if asking:
             r.read_reply()  # ASKING's +OK
-        elif first == 0:  # the usual reply: its framing is known, parse it in one step
-            exp, frame = self._expected(fingerprint, views_nbytes(dest), parts, count + 1)
-            field_h = r.read_expected(frame, exp.field_len)
+        if first == 0:
+            exp, frame = self._expected(fingerprint, views_nbytes(v.dest), parts, count + 1)
+            # The usual reply: its framing is known, taken in one step when buffered.
+            field_h = None if asking else r.read_expected(frame, exp.field_len)
             if field_h is not None:
-                self._check_header(r, key, dest, fingerprint, parts, v, field_h, exp)
-                return self._read_bodies(r, dest, v, 1, count - 1)
+                self._check_header(r, v, fingerprint, parts, field_h, exp)
+                return self._read_bodies(r, v, 1, count - 1)
         n = r.read_array_header()
         if isinstance(n, ErrorReply):
             # MOVED, ASK, READONLY, NOPERM, WRONGTYPE...: the server did not hand over
@@ -183,14 +186,12 @@ class ValueReader:
         if n != count + (first == 0):
             raise RedisDataPlaneError(f"HMGET returned {n} fields")
         if first == 0:
-            self._read_header(r, key, dest, fingerprint, parts, v, n)
-            return self._read_bodies(r, dest, v, 1, count - 1)
-        return self._read_bodies(r, dest, v, first, count)
+            self._read_header(r, v, fingerprint, parts, exp)
+            return self._read_bodies(r, v, 1, count - 1)
+        return self._read_bodies(r, v, first, count)
 
-    def _read_bodies(
-        self, r: ReplyReader, dest: list[memoryview], v: ValueRead, first: int, count: int
-    ) -> bool:
-        """Read body fields ``first .. first + count - 1`` of a reply into ``dest``."""
+    def _read_bodies(self, r: ReplyReader, v: ValueRead, first: int, count: int) -> bool:
+        """Read body fields ``first .. first + count - 1`` of a reply into ``v.dest``."""
         for i in range(first, first + count):
             blen = r.read_bulk_header()
             if isinstance(blen, ErrorReply):
@@ -210,26 +211,23 @@ class ValueReader:
                 r.skip(blen + 2)
                 v.status = LoadStatus.INVALID
                 continue
-            self.receive_part(r, dest, v, place)
+            self.receive_part(r, v, place)
         return v.status is None
 
     def _read_header(
         self,
         r: ReplyReader,
-        key: bytes,
-        dest: list[memoryview],
+        v: ValueRead,
         fingerprint: bytes,
         parts: tuple[int, ...] | None,
-        v: ValueRead,
-        fields: int,
+        exp: ExpectedHeader,
     ) -> None:
-        """Read a value's header field and first body field (of a reply of ``fields``
-        fields) into ``v`` and ``dest``."""
-        size = views_nbytes(dest)
+        """Read a value's header field and first body field into ``v`` (its array header
+        already read); ``exp``: the header of its shape."""
         hlen = r.read_bulk_header()
         if isinstance(hlen, ErrorReply):
             raise RedisDataPlaneError(hlen.message)
-        too_long = hlen > longest_header_field(size)
+        too_long = hlen > longest_header_field(views_nbytes(v.dest))
         field_h = None if hlen < 0 or too_long else r.read_bulk_payload(hlen)
         if too_long:
             r.skip(hlen + 2)
@@ -243,30 +241,26 @@ class ValueReader:
             else:
                 v.status = LoadStatus.INVALID if too_long else LoadStatus.MISSING
             return
-        exp = self._expected(fingerprint, size, parts, fields)[0]
-        self._check_header(r, key, dest, fingerprint, parts, v, field_h, exp)
+        self._check_header(r, v, fingerprint, parts, field_h, exp)
 
     def _check_header(
         self,
         r: ReplyReader,
-        key: bytes,
-        dest: list[memoryview],
+        v: ValueRead,
         fingerprint: bytes,
         parts: tuple[int, ...] | None,
-        v: ValueRead,
         field_h: bytes,
         exp: ExpectedHeader,
     ) -> None:
         """Validate a value's header field (already read) against the first body field's
-        length (read here) and receive that body into ``dest``; or record why not."""
+        length (read here) and receive that body into ``v.dest``; or record why not."""
         blen = r.read_bulk_header()
         if isinstance(blen, ErrorReply):
             raise RedisDataPlaneError(blen.message)
-        if exp.matches(field_h, key_digest(key), blen):  # the usual case, in a few compares
+        if exp.matches(field_h, key_digest(v.key), blen):  # the usual case, a few compares
             v.field_h, v.places, v.checksum = field_h, exp.places, exp.checksum_of(field_h)
-            self.receive_part(r, dest, v, exp.places[0])
+            self.receive_part(r, v, exp.places[0])
             return
-        size = views_nbytes(dest)
         try:
             if blen < 0:
                 raise InvalidValue("body field missing")
@@ -274,9 +268,9 @@ class ValueReader:
             validate_header(
                 hdr,
                 fingerprint=fingerprint,
-                payload_len=size,
+                payload_len=views_nbytes(v.dest),
                 body_field_len=blen,
-                key=key,
+                key=v.key,
                 require_checksum=self._require_checksum,
                 parts=parts,
             )
@@ -288,14 +282,13 @@ class ValueReader:
             return
         v.field_h, v.places = bytes(field_h), hdr.part_layout()
         v.checksum = hdr.checksum if hdr.has_checksum else None
-        self.receive_part(r, dest, v, v.places[0])
+        self.receive_part(r, v, v.places[0])
 
     @staticmethod
-    def receive_part(
-        r: ReplyReader, dest: list[memoryview], v: ValueRead, place: PartPlacement
-    ) -> None:
+    def receive_part(r: ReplyReader, v: ValueRead, place: PartPlacement) -> None:
         """Receive one body field (its length already read and checked) into its place
-        in ``dest``, and put the part's tail after it."""
+        in ``v.dest``, and put the part's tail after it."""
+        dest = v.dest
         if len(dest) == 1:  # one destination buffer: no pieces to walk
             whole, start = dest[0], place.offset
             body_end = start + place.body_len
@@ -313,10 +306,10 @@ class ValueReader:
             _write_at(dest, place.offset + place.body_len, tail)
 
     @staticmethod
-    def finish_value(dest: list[memoryview], v: ValueRead) -> None:
+    def finish_value(v: ValueRead) -> None:
         """Final status of a value whose every field was received: its checksum decides."""
         assert v.places, "finish_value before the header was read"
-        if v.checksum is not None and checksum_of_pieces(dest) != v.checksum:
+        if v.checksum is not None and checksum_of_pieces(v.dest) != v.checksum:
             log.debug("checksum mismatch")
             v.status = LoadStatus.INVALID
         else:
