@@ -51,11 +51,19 @@ def timed(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
-def build_cache(layers: int, num_blocks: int, block_size: int, heads: int, head_size: int):  # type: ignore[no-untyped-def]
+def build_cache(  # type: ignore[no-untyped-def]
+    layers: int,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    head_size: int,
+    device: str = "cuda",
+):
+    """vLLM's GPU layout on ``device``, random bytes; the KV cache config a planner reads."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     caches = {
         n: torch.empty(
-            2, num_blocks, block_size, heads, head_size, dtype=torch.bfloat16, device="cuda"
+            2, num_blocks, block_size, heads, head_size, dtype=torch.bfloat16, device=device
         )
         for n in names
     }

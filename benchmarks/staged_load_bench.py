@@ -33,10 +33,9 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
-from typing import Any
 
 import torch
+from gpu_copy_bench import build_cache  # this script's folder is on sys.path
 
 from umbp_redis.data import KVLayoutPlanner, StagingCopyPlan
 from umbp_redis.engine.copy.factory import make_block_copier
@@ -49,24 +48,6 @@ from umbp_redis.store.settings import RedisSettings
 GB = 1e9
 FP = b"\x09" * 16
 LAYERS, BLOCK_SIZE, HEADS, HEAD_SIZE = 32, 16, 8, 128
-
-
-def build_cache(device: str, num_blocks: int) -> tuple[Any, dict[str, torch.Tensor]]:
-    """vLLM's GPU layout on ``device``, random bytes; the KV cache config a planner reads."""
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    shape = (2, num_blocks, BLOCK_SIZE, HEADS, HEAD_SIZE)
-    caches = {n: torch.empty(shape, dtype=torch.bfloat16, device=device) for n in names}
-    for t in caches.values():
-        t.view(torch.int16).random_()
-    spec = SimpleNamespace(
-        page_size_bytes=2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2, dtype=torch.bfloat16
-    )
-    cfg = SimpleNamespace(
-        num_blocks=num_blocks,
-        kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
-        kv_cache_tensors=[],
-    )
-    return cfg, caches
 
 
 def main() -> None:
@@ -91,7 +72,7 @@ def main() -> None:
 
     n = args.objects
     num_blocks = 2 * n + 8
-    cfg, caches = build_cache(device, num_blocks)
+    cfg, caches = build_cache(LAYERS, num_blocks, BLOCK_SIZE, HEADS, HEAD_SIZE, device)
     planner = KVLayoutPlanner(cfg)
     template = planner.range_template(0, planner.register_kv_caches(caches))
     size = template.object_size
