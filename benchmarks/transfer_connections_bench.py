@@ -1,8 +1,9 @@
 """Store and load GB/s of the data plane on 1 and on 2 transfer connections, interleaved.
 
-The default ``transfer_connections: auto`` takes 1 connection on machines of fewer than
-4 CPUs and 2 from 4 on. This script shows the choice on the machine it runs on: one
-private server, both settings alternating, each size's median of ``--repeats``.
+The default ``transfer_connections: auto`` takes 1 connection where fewer than 4 CPUs
+are usable (the machine's, or its container's cgroup limit) and 2 from 4 on. This
+script shows the choice on the machine it runs on: one private server, both settings
+alternating, each size's median of ``--repeats``.
 
 Usage: .venv/bin/python benchmarks/transfer_connections_bench.py [--repeats 5]
 """
