@@ -841,6 +841,77 @@ def test_reading_a_known_framing_takes_it_whole_or_nothing() -> None:
     b.close()
 
 
+def test_expected_replies_are_taken_whole_and_waited_for_only_once_begun() -> None:
+    """``take_expected`` takes a candidate reply only whole, waits for more only while
+    nothing is buffered or what is buffered begins a candidate (the replies it begins
+    must then go on), and leaves any other reply untouched for the parser."""
+    a, b = socket.socketpair()
+    a.settimeout(2)
+    reader = resp.ReplyReader(a)
+    usual = (b"+OK\r\n:0\r\n", b"+OK\r\n:2\r\n")
+
+    def send_later(data: bytes) -> threading.Thread:
+        def send() -> None:
+            time.sleep(0.2)
+            b.sendall(data)
+
+        t = threading.Thread(target=send)
+        t.start()
+        return t
+
+    # Nothing buffered: it waits for the first bytes, then takes the second candidate.
+    t = send_later(usual[1] + b":7\r\n")
+    assert reader.take_expected(usual) == 1
+    t.join()
+    assert reader.read_reply() == 7
+    # The start of a candidate, cut mid-reply: it waits for the rest.
+    b.sendall(b"+OK\r\n:")
+    reader._fill()
+    t = send_later(b"0\r\n")
+    assert reader.take_expected(usual) == 0
+    t.join()
+    # A reply of another form, buffered whole: nothing consumed, no wait.
+    b.sendall(b"-ERR no\r\n")
+    reader._fill()
+    t0 = time.monotonic()
+    assert reader.take_expected(usual) is None
+    assert time.monotonic() - t0 < 1
+    assert isinstance(reader.read_reply(), resp.ErrorReply)
+    # Begins like a candidate, turns out another (":5"): nothing consumed.
+    b.sendall(b"+OK\r\n:5\r\n")
+    reader._fill()
+    assert reader.take_expected(usual) is None
+    assert [reader.read_reply(), reader.read_reply()] == ["OK", 5]
+    a.close()
+    b.close()
+
+
+def test_stores_over_values_of_another_split_read_every_reply(redis_url: str) -> None:
+    """A store whose replies are not the usual ones (its HSET added some fields, not
+    none or all) is read reply by reply and still reported stored, in order with the
+    usual ones; the values load byte-exact."""
+    size = sum(PARTS)
+    d = make_plane(redis_url, max_inflight_bytes=4 * size, transfer_connections=1)
+    try:
+        keys = keys_for(9, "resplit")
+        src = payloads(9, size, seed=41)
+        items = list(zip(keys, src, strict=True))
+        # Keys 0-2 hold a whole value, 3-5 a value in two parts, 6-8 nothing.
+        assert d.store(items[:3], FP) == [StoreStatus.STORED] * 3
+        two = (PARTS[0], size - PARTS[0])
+        assert d.store(items[3:6], FP, parts=two) == [StoreStatus.STORED] * 3
+        assert d.store(items, FP, parts=PARTS) == [StoreStatus.STORED] * 9
+        out = np.zeros_like(src)
+        assert (
+            d.load([(k, memoryview(out[i])) for i, k in enumerate(keys)], FP, parts=PARTS)
+            == [LoadStatus.LOADED] * 9
+        )
+        assert np.array_equal(out, src)
+        d.delete(keys)
+    finally:
+        d.close()
+
+
 def test_on_loaded_reports_valid_keys_a_window_at_a_time(redis_url: str) -> None:
     """``on_loaded`` gets the indices of valid keys while later replies are still to be
     read (one call per window here), never a missing or invalid one."""

@@ -218,10 +218,15 @@ def lookup_commands(keys: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes) -> 
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 _EXEC = b"*1\r\n$4\r\nEXEC\r\n"
-# A stored object's replies: MULTI, two QUEUED, then EXEC's [HSET fields added, EXPIRE 1].
-_TX_REPLY_HEAD = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n:"
-_TX_REPLY_TAIL = b"\r\n:1\r\n"
-_TX_REPLY_LEN = len(_TX_REPLY_HEAD) + 1 + len(_TX_REPLY_TAIL)
+
+
+@functools.lru_cache(maxsize=16)
+def _tx_replies(fields: int) -> tuple[bytes, bytes]:
+    """A stored object's replies (MULTI, two QUEUED, then EXEC's [fields HSET added,
+    EXPIRE 1]) as they usually come: the key held a value of the same split (no field
+    added) or none (all ``fields`` added)."""
+    tx = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n:%d\r\n:1\r\n"
+    return tx % 0, tx % fields
 
 
 def _transaction_status(
@@ -621,7 +626,7 @@ class RedisDataPlane:
 
     def _store_range(
         self,
-        sub: Sequence[tuple[bytes, memoryview]],
+        sub: list[tuple[bytes, memoryview]],
         rng: range,
         fingerprint: bytes,
         ttl: bytes,
@@ -629,15 +634,15 @@ class RedisDataPlane:
         parts: Sequence[int] | None = None,
     ) -> list[StoreStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
-        idx = list(rng)
-        groups = _groups([sub[i][1].nbytes for i in idx], window)
+        chunk = sub[rng.start : rng.stop]
+        groups = _groups([v.nbytes for _, v in chunk], window)
         with self.pool.connection() as conn:
             return self._windowed(
                 groups,
                 lambda g: self._send_stores(
-                    conn, [sub[idx[j]] for j in g], fingerprint, ttl, asking, parts
+                    conn, chunk[g.start : g.stop], fingerprint, ttl, asking, parts
                 ),
-                lambda g: self._read_stores(conn, len(g), asking),
+                lambda g: self._read_stores(conn, len(g), asking, parts),
             )
 
     def _send_stores(
@@ -675,22 +680,20 @@ class RedisDataPlane:
         send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
 
     def _read_stores(
-        self, conn: RedisConnection, n: int, asking: bool = False
+        self,
+        conn: RedisConnection,
+        n: int,
+        asking: bool = False,
+        parts: Sequence[int] | None = None,
     ) -> list[StoreStatus | RedisRedirectError]:
         reader = conn.reader
+        usual = _tx_replies(1 + _part_count(parts))
         out: list[StoreStatus | RedisRedirectError] = []
         loading: RedisLoadingError | None = None
         for _ in range(n):
             if asking:
                 reader.read_reply()  # ASKING's +OK (an error there shows again below)
-            head = reader.peek_buffered(_TX_REPLY_LEN)  # the usual reply, if buffered
-            if (
-                head is not None
-                and head.startswith(_TX_REPLY_HEAD)
-                and head.endswith(_TX_REPLY_TAIL)
-                and head[len(_TX_REPLY_HEAD) : -len(_TX_REPLY_TAIL)].isdigit()
-            ):
-                reader.skip(_TX_REPLY_LEN)
+            if reader.take_expected(usual) is not None:  # the usual replies, taken whole
                 out.append(StoreStatus.STORED)
                 continue
             replies = [reader.read_reply() for _ in range(4)]

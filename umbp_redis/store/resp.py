@@ -217,11 +217,24 @@ class ReplyReader:
         self.expect_crlf()
         return data
 
-    def peek_buffered(self, n: int) -> bytes | None:
-        """The next ``n`` bytes if already buffered (not consumed; never reads), else None."""
-        if self.end - self.start < n:
-            return None
-        return bytes(self.buf[self.start : self.start + n])
+    def take_expected(self, candidates: Sequence[bytes]) -> int | None:
+        """If the stream goes on with one of ``candidates`` (complete replies of a form
+        known in advance): consume it and return its index. Otherwise consume nothing
+        and return None: the caller reads the replies piece by piece. Receives more only
+        while nothing is buffered or what is buffered is the start of a candidate: then
+        the replies it begins are incomplete, so more bytes come whatever they are (a
+        caller expecting them would wait for them anyway)."""
+        while True:
+            have = self.end - self.start
+            for i, c in enumerate(candidates):
+                if have >= len(c) and self.buf.startswith(c, self.start):
+                    self.start += len(c)
+                    return i
+            if have and not any(
+                have < len(c) and c.startswith(self.view[self.start : self.end]) for c in candidates
+            ):
+                return None
+            self._fill()
 
     def skip(self, n: int) -> None:
         """Discard ``n`` bytes of the stream."""
