@@ -225,13 +225,13 @@ class ReplyReader:
         the replies it begins are incomplete, so more bytes come whatever they are (a
         caller expecting them would wait for them anyway)."""
         while True:
-            have = self.end - self.start
+            start, end = self.start, self.end
             for i, c in enumerate(candidates):
-                if have >= len(c) and self.buf.startswith(c, self.start):
+                if self.buf.startswith(c, start, end):
                     self.start += len(c)
                     return i
-            if have and not any(
-                have < len(c) and c.startswith(self.view[self.start : self.end]) for c in candidates
+            if end > start and not any(
+                end - start < len(c) and c.startswith(self.view[start:end]) for c in candidates
             ):
                 return None
             self._fill()
