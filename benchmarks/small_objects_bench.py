@@ -21,8 +21,9 @@ script measures, in one run against one private server, interleaved (best of
 
 Prints GB/s (and, for this client, the least CPU time it used per object, all its
 threads; for this client and redis-benchmark over as many keys, the least CPU time the
-server used per object, from ``INFO cpu``) and each figure over its like-for-like
-redis-benchmark baseline.
+server used per object, from ``INFO cpu``), the server's time a call of the commands
+each ran (``INFO commandstats``: ``HSET`` inside a store's transaction against
+``SET``) and each figure over its like-for-like redis-benchmark baseline.
 
 Usage: .venv/bin/python benchmarks/small_objects_bench.py [--size 65536] [--repeats 4]
        [--inflight 4194304,1048576]
@@ -119,6 +120,7 @@ def main() -> None:
 
     cpu: dict[str, float] = {}  # least client CPU (all threads) per object, us
     server: dict[str, float] = {}  # least server CPU per object (INFO cpu), us
+    per_call: dict[str, float] = {}  # least server time a command (INFO commandstats), us
 
     def keep(
         name: str,
@@ -149,6 +151,14 @@ def main() -> None:
             info = admin.info("cpu")
             return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
+        def keep_per_call(what: str) -> None:
+            """The server's time a call of each command since the last ``reset_stat``."""
+            for name, stat in admin.info("commandstats").items():
+                command = name.removeprefix("cmdstat_").upper()
+                if command in ("SET", "GET", "HSET", "EXEC", "HMGET"):
+                    label = f"{command} ({what})"
+                    per_call[label] = min(per_call.get(label, float("inf")), stat["usec_per_call"])
+
         for _ in range(args.repeats):
             admin.flushall()  # this run's private server
             fresh = redis_benchmark(srv.port, size, FRESH_KEYSPACE, "set", count)
@@ -161,6 +171,7 @@ def main() -> None:
             for test, v in redis_benchmark(srv.port, size, None, "set,get").items():
                 keep(f"redis-benchmark {test.upper()} one key", v)
             for test in ("set", "get"):  # one at a time, to count the server's CPU of each
+                admin.config_resetstat()
                 s0 = server_cpu()
                 for t, v in redis_benchmark(srv.port, size, count, test).items():
                     keep(
@@ -169,9 +180,11 @@ def main() -> None:
                         server_s=server_cpu() - s0,
                         objects=RB_REQUESTS,
                     )
+                keep_per_call(f"redis-benchmark, {count} keys")
             admin.flushall()
             for w, plane in planes.items():
                 for phase in ("fresh", "existing"):
+                    admin.config_resetstat()
                     s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
                     st = plane.store(stores, FINGERPRINT)
                     dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -182,12 +195,15 @@ def main() -> None:
                         dc,
                         server_cpu() - s0,
                     )
+                    keep_per_call(f"umbp store of {phase} keys")
+                admin.config_resetstat()
                 s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
                 lt = plane.load(loads, FINGERPRINT)
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 ds = server_cpu() - s0
                 assert all(s is LoadStatus.LOADED for s in lt) and np.array_equal(dest, staging)
                 keep(f"umbp load, inflight {w >> 10} KiB", count * size / dt / 1e9, dc, ds)
+                keep_per_call("umbp load")
                 if w == 1 << 20:
                     bare = bare_receive(srv.port, keys, w)
                     keep("bare receive (Python, 1 conn, 1 MiB)", count * size / bare / 1e9)
@@ -197,6 +213,9 @@ def main() -> None:
         used = f"   client CPU {cpu[name]:5.1f} us/object" if name in cpu else ""
         used += f"   server CPU {server[name]:5.1f} us/object" if name in server else ""
         print(f"  {name:45s} {v:6.2f}{used}")
+    print("server time a command (INFO commandstats, least over runs), us:")
+    for label, usec in sorted(per_call.items()):
+        print(f"  {label:45s} {usec:6.2f}")
     one_set, one_get = (
         best.get("redis-benchmark SET one key"),
         best.get("redis-benchmark GET one key"),
