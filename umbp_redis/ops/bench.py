@@ -43,6 +43,7 @@ def register(sub: Any) -> None:
     cl.add_argument("--total-mib", type=int, default=192, help="MiB moved per measurement")
     cl.add_argument("--repeats", type=int, default=3, help="interleaved rounds; best is kept")
     cl.set_defaults(handler=_run_cluster)
+    _register_fleet(targets)
     p.set_defaults(handler=lambda a: (p.print_help(), 0)[1])
 
 
@@ -95,4 +96,160 @@ def _run_cluster(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(format_cluster_table(result))
+    return 0
+
+
+def _register_fleet(targets: Any) -> None:
+    from umbp_redis.ops.bench_fleet import BASE_CONFIGS
+
+    fl = targets.add_parser(
+        "fleet",
+        help="TTFT of several OpenAI-server engines behind a router under concurrent "
+        "multi-turn conversations: no connector, umbp-redis and the ideal side by side",
+    )
+    fl.add_argument("--engines", type=int, default=2, help="engines, one core each (default 2)")
+    fl.add_argument(
+        "--router",
+        choices=("round-robin", "random", "sticky"),
+        default="round-robin",
+        help="routing of no-connector and umbp-redis (default round-robin: round r of "
+        "conversation c on engine (c+r) mod N)",
+    )
+    fl.add_argument("--conversations", type=int, default=4, help="conversations at once")
+    fl.add_argument("--rounds", type=int, default=6, help="rounds per conversation")
+    fl.add_argument("--system-tokens", type=int, default=640, help="shared system prompt")
+    fl.add_argument("--user-tokens", type=int, default=96, help="tokens of each user turn")
+    fl.add_argument(
+        "--assistant-tokens", type=int, default=160, help="tokens of each scripted assistant turn"
+    )
+    fl.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per request")
+    fl.add_argument(
+        "--conversation-rate",
+        type=float,
+        default=0.0,
+        help="conversations started per second (default 0: all at once)",
+    )
+    fl.add_argument("--blocks", type=int, default=24, help="KV blocks per engine (default 24)")
+    fl.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
+    fl.add_argument(
+        "--configs",
+        default=",".join(BASE_CONFIGS),
+        help="comma-separated subset of the base configurations to run",
+    )
+    fl.add_argument(
+        "--small-redis",
+        action="store_true",
+        help="add small-redis: umbp-redis with Redis maxmemory at half of what it stored",
+    )
+    fl.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:key=value,...",
+        help="add a configuration: umbp-redis with these connector options (repeatable)",
+    )
+    fl.add_argument(
+        "--model",
+        default=None,
+        help="model directory (default: a random Llama, hidden 1024, 8 layers, fp32, "
+        "built once in --work-dir)",
+    )
+    fl.add_argument(
+        "--work-dir", default=None, help="where the model and engine logs go (default: a temp dir)"
+    )
+    fl.add_argument("--json", action="store_true", help="print one JSON object")
+    fl.add_argument("--png", default=None, help="write a PNG of the TTFT distributions here")
+    fl.add_argument("--quiet", action="store_true", help="no progress bar")
+    fl.set_defaults(handler=_run_fleet)
+
+
+# The fleet benchmark's default model: prefill-bound on a CPU core, 2 MiB a block.
+FLEET_MODEL = {
+    "hidden_size": 1024,
+    "num_layers": 8,
+    "num_attention_heads": 16,
+    "num_kv_heads": 4,
+    "intermediate_size": 2816,
+    "max_position_embeddings": 4096,
+}
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from umbp_redis.ops.bench_fleet import (
+        BASE_CONFIGS,
+        FleetPlan,
+        account_lines,
+        build_configs,
+        format_table,
+        ideal_block_count,
+        parse_variant,
+        run_fleet_bench,
+        write_png,
+    )
+    from umbp_redis.ops.fleet_workload import ConversationShape
+    from umbp_redis.ops.tiny_model import TinyModelSpec, build_tiny_llama
+    from umbp_redis.store.errors import ConfigError
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="umbp-fleet-"))
+    block_size = 128  # vLLM's CPU backend
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+        shape = ConversationShape(
+            conversations=args.conversations,
+            rounds=args.rounds,
+            system_tokens=args.system_tokens,
+            user_tokens=args.user_tokens,
+            assistant_tokens=args.assistant_tokens,
+            answer_tokens=args.answer_tokens,
+        )
+        shape.validate()
+        if args.engines < 1 or args.blocks < 1 or args.repeats < 1:
+            raise ValueError("--engines, --blocks and --repeats must be at least 1")
+        if args.model:
+            model = args.model
+        else:
+            spec = TinyModelSpec(**FLEET_MODEL)  # type: ignore[arg-type]
+            model = str(build_tiny_llama(work / "model", spec))
+            shape = ConversationShape(**{**shape.__dict__, "vocab_size": spec.vocab_size})
+        wanted = [c for c in args.configs.split(",") if c]
+        unknown = sorted(set(wanted) - set(BASE_CONFIGS))
+        if unknown:
+            raise ValueError(f"--configs: unknown {unknown}; choose from {BASE_CONFIGS}")
+        longest = shape.prompt_tokens(shape.rounds - 1) + shape.answer_tokens
+        if longest > args.blocks * block_size:
+            raise ValueError(
+                f"--blocks {args.blocks} holds {args.blocks * block_size} tokens, fewer than "
+                f"the longest request ({longest} tokens): raise --blocks or shorten the turns"
+            )
+        ideal = ideal_block_count(shape, args.engines, block_size, args.blocks)
+        configs = [
+            c
+            for c in build_configs(
+                args.router, args.blocks, ideal, small_redis=args.small_redis, variants=variants
+            )
+            if c.name in wanted or c.name not in BASE_CONFIGS
+        ]
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    plan = FleetPlan(
+        model=model,
+        engines=args.engines,
+        shape=shape,
+        block_size=block_size,
+        conversation_rate=args.conversation_rate,
+        log_dir=work / "logs",
+    )
+    result = run_fleet_bench(plan, configs, args.repeats, progress=not args.quiet)
+    if args.png:
+        if not write_png(result, Path(args.png)):
+            print("umbp-redis bench fleet: no PNG (matplotlib is not installed)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(format_table(result))
+        for line in account_lines(result):
+            print(line)
     return 0

@@ -1,0 +1,606 @@
+"""``umbp-redis bench fleet``: several OpenAI-server engines behind a router, many
+conversations at once, configurations side by side in one run.
+
+Configurations (each starts its own engines and its own private Redis, in an order
+rotated every repeat so the machine's drift hits all of them):
+
+- ``no-connector``: the chosen router, ``--blocks`` KV blocks per engine, no connector;
+- ``umbp-redis``: the same with the connector on every engine, one shared Redis;
+- ``ideal``: sticky routing and a KV cache large enough that nothing is evicted;
+- ``sticky`` / ``sticky-umbp``: sticky routing with ``--blocks`` blocks, without and
+  with the connector;
+- ``small-redis`` (``--small-redis``): as ``umbp-redis`` with Redis ``maxmemory`` at half
+  of what ``umbp-redis`` stored in the same repeat (``allkeys-lru``);
+- ``--variant NAME:key=value,...``: as ``umbp-redis`` with connector options changed.
+
+TTFT is measured over rounds 2 and later (the first round of a conversation has no
+history to hit). "Share of the ideal gain" is (TTFT no-connector - TTFT umbp-redis) /
+(TTFT no-connector - TTFT ideal), per repeat; figures are medians over repeats with
+their spread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from umbp_redis.ops.fleet_engines import (
+    EXTERNAL_HITS,
+    EXTERNAL_QUERIES,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    EngineSpec,
+    RunningEngine,
+    start_engines,
+    stop_engines,
+)
+from umbp_redis.ops.fleet_workload import (
+    FIRST_TOKEN_ID,
+    ConversationScript,
+    ConversationShape,
+    LatencySummary,
+    Router,
+    share_of_ideal_gain,
+)
+
+BASE_CONFIGS = ("no-connector", "umbp-redis", "ideal", "sticky", "sticky-umbp")
+# The connector's Prometheus counters summed into each configuration's result.
+CONNECTOR_COUNTERS = (
+    "vllm:umbp_blocks_loaded_total",
+    "vllm:umbp_blocks_stored_total",
+    "vllm:umbp_bytes_stored_total",
+    "vllm:umbp_load_failures_total",
+    "vllm:umbp_sync_loads_total",
+    "vllm:umbp_layer_wait_ms_total",
+    "vllm:umbp_store_failures_total",
+    "vllm:umbp_stores_dropped_total",
+)
+STEP_HISTOGRAMS = (
+    "vllm:umbp_lookup_seconds",
+    "vllm:umbp_sync_load_wait_seconds",
+    "vllm:umbp_store_cpu_seconds",
+    "vllm:umbp_stalled_requests",
+)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One configuration: routing, KV cache size, connector and Redis memory."""
+
+    name: str
+    router: str
+    num_blocks: int
+    connector: bool
+    connector_options: tuple[tuple[str, Any], ...] = ()
+    redis_maxmemory_share: float = 0.0  # of umbp-redis's stored bytes; 0: unlimited
+
+
+@dataclass
+class RequestRecord:
+    """One request's outcome."""
+
+    conversation: int
+    round_index: int
+    engine: int
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    text: str
+    error: str = ""
+
+
+@dataclass
+class ConfigRun:
+    """One configuration in one repeat."""
+
+    config: str
+    repeat: int
+    requests: list[RequestRecord] = field(default_factory=list)
+    wall_s: float = 0.0
+    counters: dict[str, float] = field(default_factory=dict)
+    redis_used_bytes: int = 0
+    redis_keys: int = 0
+    redis_maxmemory: int = 0
+
+    def ttfts(self, first_round: int = 1) -> list[float]:
+        """TTFTs of successful requests of rounds >= ``first_round`` (0-based)."""
+        return [r.ttft_s for r in self.requests if r.round_index >= first_round and not r.error]
+
+    def hit_tokens(self, first_round: int = 1) -> int:
+        """Prompt tokens served from a cache (local or external), rounds >= ``first_round``."""
+        return sum(r.cached_tokens for r in self.requests if r.round_index >= first_round)
+
+
+def build_configs(
+    router: str,
+    blocks: int,
+    ideal_blocks: int,
+    *,
+    small_redis: bool = False,
+    variants: Sequence[tuple[str, dict[str, Any]]] = (),
+) -> list[FleetConfig]:
+    """The configurations of a run, the base five first."""
+    configs = [
+        FleetConfig("no-connector", router, blocks, False),
+        FleetConfig("umbp-redis", router, blocks, True),
+        FleetConfig("ideal", "sticky", ideal_blocks, False),
+        FleetConfig("sticky", "sticky", blocks, False),
+        FleetConfig("sticky-umbp", "sticky", blocks, True),
+    ]
+    if small_redis:
+        configs.append(FleetConfig("small-redis", router, blocks, True, (), 0.5))
+    for name, options in variants:
+        if any(c.name == name for c in configs):
+            raise ValueError(f"--variant name {name!r} is taken by another configuration")
+        configs.append(FleetConfig(name, router, blocks, True, tuple(sorted(options.items()))))
+    return configs
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME:key=value,key=value`` to (name, options); values are JSON where they parse
+    (numbers, true/false), else strings."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name:
+        raise ValueError(f"--variant expects NAME:key=value[,key=value], got {text!r}")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--variant option {item!r} is not key=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return name, options
+
+
+def ideal_block_count(shape: ConversationShape, engines: int, block_size: int, blocks: int) -> int:
+    """KV blocks per engine for which sticky routing evicts nothing: every conversation
+    an engine serves at its longest, plus its answer, and at least 4x ``blocks``."""
+    per_engine = -(-shape.conversations // engines)
+    longest = shape.prompt_tokens(shape.rounds - 1) + shape.answer_tokens
+    need = per_engine * -(-longest // block_size) + 2 + engines  # the warm-up requests
+    return max(4 * blocks, need)
+
+
+async def _stream_completion(
+    session: Any, base_url: str, model: str, prompt: Sequence[int], max_tokens: int
+) -> tuple[float, float, int, int, str]:
+    """(TTFT, latency, prompt tokens, cached tokens, text) of one streamed completion."""
+    body = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft = math.nan
+    text: list[str] = []
+    prompt_tokens = cached = 0
+    async with session.post(base_url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            choices = chunk.get("choices") or []
+            if choices:
+                if math.isnan(ttft):
+                    ttft = time.perf_counter() - t0
+                text.append(choices[0].get("text") or "")
+            usage = chunk.get("usage")
+            if usage:
+                prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                cached = int(details.get("cached_tokens") or 0)
+    return ttft, time.perf_counter() - t0, prompt_tokens, cached, "".join(text)
+
+
+async def _run_conversations(
+    engines: Sequence[RunningEngine],
+    model: str,
+    script: ConversationScript,
+    router: Router,
+    conversation_rate: float,
+    on_request: Callable[[], None],
+    timeout_s: float,
+) -> list[RequestRecord]:
+    import aiohttp
+
+    shape = script.shape
+    records: list[RequestRecord] = []
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def conversation(c: int) -> None:
+            if conversation_rate > 0:
+                await asyncio.sleep(c / conversation_rate)
+            for r in range(shape.rounds):
+                turn = script.turn(c, r)
+                e = router.engine_for(c, r)
+                try:
+                    ttft, lat, pt, cached, text = await _stream_completion(
+                        session, engines[e].base_url, model, turn.prompt, shape.answer_tokens
+                    )
+                    records.append(RequestRecord(c, r, e, ttft, lat, pt, cached, text))
+                except Exception as exc:
+                    records.append(
+                        RequestRecord(c, r, e, math.nan, math.nan, 0, 0, "", repr(exc)[:300])
+                    )
+                on_request()
+
+        await asyncio.gather(*(conversation(c) for c in range(shape.conversations)))
+    return records
+
+
+async def _warm_up(engines: Sequence[RunningEngine], model: str, vocab: int) -> None:
+    """One short request per engine (tokens no workload uses), so one-time costs of a
+    fresh engine are not charged to the first measured request."""
+    import random
+
+    import aiohttp
+
+    rng = random.Random(99)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        for e in engines:
+            prompt = [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(150)]
+            await _stream_completion(session, e.base_url, model, prompt, 2)
+
+
+def _counter_delta(
+    engines: Sequence[RunningEngine], before: list[dict[str, float]]
+) -> dict[str, float]:
+    names = (PREFIX_HITS, PREFIX_QUERIES, EXTERNAL_HITS, EXTERNAL_QUERIES, *CONNECTOR_COUNTERS)
+    hist = [f"{h}_{s}" for h in STEP_HISTOGRAMS for s in ("sum", "count")]
+    out: dict[str, float] = {}
+    for e, b in zip(engines, before, strict=True):
+        now = e.metrics()
+        for n in (*names, *hist):
+            out[n] = out.get(n, 0.0) + now.get(n, 0.0) - b.get(n, 0.0)
+    return out
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """Everything one run needs besides its configurations."""
+
+    model: str
+    engines: int
+    shape: ConversationShape
+    block_size: int
+    conversation_rate: float = 0.0
+    request_timeout_s: float = 600.0
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="umbp-fleet-")))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request, prompt and answer, rounded up to whole blocks."""
+        longest = self.shape.prompt_tokens(self.shape.rounds - 1) + self.shape.answer_tokens
+        return -(-longest // self.block_size) * self.block_size
+
+
+def run_config(
+    plan: FleetPlan,
+    config: FleetConfig,
+    repeat: int,
+    maxmemory: int,
+    on_request: Callable[[], None],
+    status: Callable[[str], None],
+) -> ConfigRun:
+    """Run one configuration once: its own Redis, its engines, the workload."""
+    import redis
+
+    from umbp_redis.ops.embedded_redis import EmbeddedRedis
+
+    out = ConfigRun(config.name, repeat, redis_maxmemory=maxmemory)
+    server = EmbeddedRedis(
+        ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
+    ).start()
+    engines: list[RunningEngine] = []
+    try:
+        ktc: dict[str, object] | None = None
+        if config.connector:
+            ktc = {
+                "kv_connector": "UMBPRedisConnector",
+                "kv_connector_module_path": "umbp_redis.connector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "redis_url": server.url,
+                    **dict(config.connector_options),
+                },
+            }
+        specs = [
+            EngineSpec(
+                plan.model,
+                config.num_blocks,
+                str(i % _cpu_count()),
+                ktc,
+                max_model_len=plan.max_model_len,
+            )
+            for i in range(plan.engines)
+        ]
+        status(f"{config.name}: starting {plan.engines} engines")
+        engines = start_engines(specs, plan.log_dir / f"r{repeat}-{config.name}")
+        asyncio.run(_warm_up(engines, plan.model, plan.shape.vocab_size))
+        before = [e.metrics() for e in engines]
+        r = redis.Redis.from_url(server.url)
+        base_mem = int(r.info("memory")["used_memory"])
+        status(f"{config.name}: {plan.shape.conversations} conversations")
+        t0 = time.perf_counter()
+        out.requests = asyncio.run(
+            _run_conversations(
+                engines,
+                plan.model,
+                ConversationScript(plan.shape),
+                Router(config.router, plan.engines),
+                plan.conversation_rate,
+                on_request,
+                plan.request_timeout_s,
+            )
+        )
+        out.wall_s = time.perf_counter() - t0
+        out.counters = _counter_delta(engines, before)
+        out.redis_used_bytes = max(0, int(r.info("memory")["used_memory"]) - base_mem)
+        out.redis_keys = int(r.dbsize())
+        r.close()
+    finally:
+        stop_engines(engines)
+        server.cleanup()
+    return out
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def run_fleet_bench(
+    plan: FleetPlan,
+    configs: Sequence[FleetConfig],
+    repeats: int,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every configuration ``repeats`` times (order rotated per repeat) and return
+    the runs and their summary."""
+    from tqdm import tqdm
+
+    total = len(configs) * repeats * plan.shape.conversations * plan.shape.rounds
+    bar = tqdm(total=total, unit="req", disable=not progress, file=sys.stderr)
+    runs: list[ConfigRun] = []
+    try:
+        for rep in range(repeats):
+            order = list(configs[rep % len(configs) :]) + list(configs[: rep % len(configs)])
+            # small-redis needs the bytes umbp-redis stored in the same repeat.
+            order.sort(key=lambda c: c.redis_maxmemory_share > 0)
+            stored = 0
+            for config in order:
+                maxmemory = 0
+                if config.redis_maxmemory_share > 0:
+                    maxmemory = max(1 << 20, int(stored * config.redis_maxmemory_share))
+
+                def status(text: str, rep: int = rep) -> None:
+                    bar.set_description(f"repeat {rep + 1}/{repeats} {text}")
+
+                run = run_config(plan, config, rep, maxmemory, lambda: bar.update(1), status)
+                if config.name == "umbp-redis":
+                    stored = run.redis_used_bytes
+                runs.append(run)
+    finally:
+        bar.close()
+    return {
+        "plan": {
+            "model": plan.model,
+            "engines": plan.engines,
+            "block_size": plan.block_size,
+            "shape": asdict(plan.shape),
+            "conversation_rate": plan.conversation_rate,
+            "log_dir": str(plan.log_dir),
+        },
+        "configs": [asdict(c) for c in configs],
+        "runs": [asdict(r) for r in runs],
+        "summary": summarize([c.name for c in configs], runs),
+    }
+
+
+def _median_spread(values: Sequence[float]) -> dict[str, float]:
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return {"median": math.nan, "min": math.nan, "max": math.nan}
+    return {"median": statistics.median(finite), "min": min(finite), "max": max(finite)}
+
+
+def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]:
+    """Per configuration: TTFT mean/p50/p90/p99, throughput, hit tokens, Redis bytes,
+    outputs equal to no-connector's (medians over repeats with min and max), and the
+    share of the ideal gain and the ratio to its connector-less twin."""
+    by_rep: dict[int, dict[str, ConfigRun]] = {}
+    for r in runs:
+        by_rep.setdefault(r.repeat, {})[r.config] = r
+    out: dict[str, Any] = {}
+    for name in names:
+        per: dict[str, list[float]] = {}
+
+        def add(key: str, value: float, per: dict[str, list[float]] = per) -> None:
+            per.setdefault(key, []).append(value)
+
+        for reps in by_rep.values():
+            run = reps.get(name)
+            if run is None:
+                continue
+            s = LatencySummary.of(run.ttfts())
+            for stat in ("mean", "p50", "p90", "p99"):
+                add(f"ttft_{stat}_s", getattr(s, stat))
+            ok = [q for q in run.requests if not q.error]
+            add("requests_per_s", len(ok) / run.wall_s if run.wall_s else math.nan)
+            add("errors", len(run.requests) - len(ok))
+            add("hit_tokens", run.hit_tokens())
+            add("local_hit_tokens", run.counters.get(PREFIX_HITS, 0.0))
+            add("external_hit_tokens", run.counters.get(EXTERNAL_HITS, 0.0))
+            add("redis_bytes", run.redis_used_bytes)
+            for counter in ("lookup_seconds", "sync_load_wait_seconds", "store_cpu_seconds"):
+                key = f"vllm:umbp_{counter}"
+                n = run.counters.get(f"{key}_count", 0.0)
+                add(f"{counter}_total", run.counters.get(f"{key}_sum", 0.0))
+                add(f"{counter}_count", n)
+            add("stalled_requests", run.counters.get("vllm:umbp_stalled_requests_sum", 0.0))
+            base = reps.get("no-connector")
+            if base is not None:
+                want = {(q.conversation, q.round_index): q.text for q in base.requests}
+                same = sum(1 for q in ok if want.get((q.conversation, q.round_index)) == q.text)
+                add("outputs_equal_share", same / len(ok) if ok else math.nan)
+            ideal = reps.get("ideal")
+            if base is not None and ideal is not None:
+                for stat in ("mean", "p90"):
+                    b = getattr(LatencySummary.of(base.ttfts()), stat)
+                    i = getattr(LatencySummary.of(ideal.ttfts()), stat)
+                    m = getattr(s, stat)
+                    add(f"ideal_gain_share_{stat}", share_of_ideal_gain(b, m, i))
+            twin = _twin(name, reps)
+            if twin is not None:
+                t = LatencySummary.of(twin.ttfts())
+                add("ttft_mean_vs_twin", s.mean / t.mean if t.mean else math.nan)
+                add("ttft_p90_vs_twin", s.p90 / t.p90 if t.p90 else math.nan)
+        out[name] = {k: _median_spread(v) for k, v in per.items()}
+    return out
+
+
+def _twin(name: str, reps: dict[str, ConfigRun]) -> ConfigRun | None:
+    """The connector-less configuration with the same routing and cache, if any."""
+    if name == "sticky-umbp":
+        return reps.get("sticky")
+    if name in ("no-connector", "ideal", "sticky"):
+        return None
+    return reps.get("no-connector")
+
+
+_TABLE_COLUMNS = (
+    ("TTFT mean", "ttft_mean_s", "{:.3f}"),
+    ("p50", "ttft_p50_s", "{:.3f}"),
+    ("p90", "ttft_p90_s", "{:.3f}"),
+    ("p99", "ttft_p99_s", "{:.3f}"),
+    ("req/s", "requests_per_s", "{:.2f}"),
+    ("hit tok", "hit_tokens", "{:.0f}"),
+    ("local", "local_hit_tokens", "{:.0f}"),
+    ("redis", "external_hit_tokens", "{:.0f}"),
+    ("Redis MB", "redis_bytes", "{:.1f}"),
+    ("ideal gain", "ideal_gain_share_mean", "{:.0%}"),
+    ("p90 gain", "ideal_gain_share_p90", "{:.0%}"),
+    ("vs twin", "ttft_mean_vs_twin", "{:.2f}x"),
+    ("same out", "outputs_equal_share", "{:.0%}"),
+)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The summary as a text table: medians, with [min-max] over repeats for TTFT."""
+    summary = result["summary"]
+    head = ["configuration", *(c[0] for c in _TABLE_COLUMNS)]
+    rows = [head]
+    for name, stats in summary.items():
+        row = [name]
+        for _, key, fmt in _TABLE_COLUMNS:
+            s = stats.get(key)
+            if s is None or math.isnan(s["median"]):
+                row.append("-")
+                continue
+            scale = 1e-6 if key == "redis_bytes" else 1.0
+            cell = fmt.format(s["median"] * scale)
+            if key.startswith("ttft_mean") or key.startswith("ideal_gain_share_mean"):
+                if s["min"] != s["max"]:
+                    cell += f" [{fmt.format(s['min'] * scale)}-{fmt.format(s['max'] * scale)}]"
+            row.append(cell)
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    plan = result["plan"]
+    shape = plan["shape"]
+    repeats = len({r["repeat"] for r in result["runs"]})
+    lines.append(
+        f"\n{plan['engines']} engines, {shape['conversations']} conversations x "
+        f"{shape['rounds']} rounds, {repeats} repeats; TTFT over rounds 2-{shape['rounds']}, "
+        "medians over repeats [min-max]; 'ideal gain': share of the ideal's TTFT gain over "
+        "no-connector; 'vs twin': mean TTFT against the same routing and cache without the "
+        "connector; 'same out': answers equal to no-connector's"
+    )
+    return "\n".join(lines)
+
+
+def account_lines(result: dict[str, Any]) -> list[str]:
+    """The connector's per-step account of each configuration with the connector."""
+    lines = []
+    for name, stats in result["summary"].items():
+        n = stats.get("lookup_seconds_count")
+        if not n or not n["median"]:
+            continue
+
+        def per(key: str, stats: dict[str, Any] = stats) -> str:
+            total = stats.get(f"{key}_total", {}).get("median", math.nan)
+            count = stats.get(f"{key}_count", {}).get("median", math.nan)
+            avg = total / count * 1e3 if count else math.nan
+            return f"{total:.2f} s over {count:.0f} ({avg:.2f} ms each)"
+
+        stalled = stats.get("stalled_requests", {}).get("median", 0.0)
+        lines.append(
+            f"{name}: lookups {per('lookup_seconds')}; sync-load waits "
+            f"{per('sync_load_wait_seconds')}; store CPU {per('store_cpu_seconds')}; "
+            f"other requests stalled behind sync loads {stalled:.0f}"
+        )
+    return lines
+
+
+def write_png(result: dict[str, Any], path: Path) -> bool:
+    """A box plot of TTFT (rounds 2+) per configuration, all repeats; False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(result["summary"])
+    data = []
+    for name in names:
+        data.append(
+            [
+                q["ttft_s"]
+                for r in result["runs"]
+                if r["config"] == name
+                for q in r["requests"]
+                if q["round_index"] >= 1 and not q["error"]
+            ]
+        )
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4.5))
+    ax.boxplot(data, whis=(5, 95), showmeans=True)
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=20)
+    ax.set_ylabel("TTFT (s), rounds 2+")
+    shape = result["plan"]["shape"]
+    ax.set_title(
+        f"{result['plan']['engines']} engines, {shape['conversations']} conversations x "
+        f"{shape['rounds']} rounds (whiskers p5-p95, triangle: mean)"
+    )
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,206 @@
+"""OpenAI-server vLLM engines for the fleet benchmark: start, pin, scrape, stop.
+
+Each engine is ``python -m vllm.entrypoints.openai.api_server`` in a process group of
+its own, its forward pass bound to one core (``VLLM_CPU_OMP_THREADS_BIND``) on a CPU
+machine, its log in a file of the run's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from umbp_redis.ops.embedded_redis import free_port
+
+# The engine's Prometheus counters the benchmark reads (vLLM's and the connector's).
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited or did not become ready in time; carries its log's tail."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one engine runs: model, KV cache size, connector config, cores."""
+
+    model: str
+    num_blocks: int
+    cpus: str  # VLLM_CPU_OMP_THREADS_BIND value, e.g. "0"
+    kv_transfer_config: dict[str, object] | None = None
+    max_model_len: int = 4096
+    dtype: str = "float32"
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def command(self, port: int) -> list[str]:
+        """The engine's command line."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--num-gpu-blocks-override",
+            str(self.num_blocks),
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+            "--seed",
+            "0",
+        ]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        """The engine's environment: this process's, with the CPU binding and KV space."""
+        env = dict(os.environ)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.update(dict(self.extra_env))
+        return env
+
+
+@dataclass
+class RunningEngine:
+    """An engine process and where it answers."""
+
+    spec: EngineSpec
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the engine's log."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def ready(self) -> bool:
+        """Whether ``/health`` answers 200 (raises ``EngineStartError`` if it exited)."""
+        if self.proc.poll() is not None:
+            raise EngineStartError(
+                f"engine on port {self.port} exited with {self.proc.returncode}:\n"
+                + self.log_tail()
+            )
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's Prometheus samples, each name summed over its labels."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as resp:
+            return parse_prometheus(resp.read().decode())
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGINT the engine's process group, then SIGKILL after ``timeout_s``."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition to {sample name: value summed over label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out[m.group(1)] = out.get(m.group(1), 0.0) + value
+    return out
+
+
+def start_engines(
+    specs: Sequence[EngineSpec], log_dir: Path, *, timeout_s: float = 300.0
+) -> list[RunningEngine]:
+    """Start every engine at once and wait until all answer ``/health``; on a failure
+    stop them all and raise ``EngineStartError`` with the failing engine's log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    engines: list[RunningEngine] = []
+    try:
+        for i, spec in enumerate(specs):
+            port = free_port()
+            log_path = log_dir / f"engine{i}-{port}.log"
+            with open(log_path, "wb") as logf:
+                proc = subprocess.Popen(
+                    spec.command(port),
+                    env=spec.environment(),
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            engines.append(RunningEngine(spec, port, proc, log_path))
+        deadline = time.monotonic() + timeout_s
+        waiting = list(engines)
+        while waiting:
+            waiting = [e for e in waiting if not e.ready()]
+            if waiting and time.monotonic() > deadline:
+                raise EngineStartError(
+                    f"engine on port {waiting[0].port} not ready within {timeout_s:.0f}s:\n"
+                    + waiting[0].log_tail()
+                )
+            if waiting:
+                time.sleep(0.5)
+        return engines
+    except BaseException:
+        stop_engines(engines)
+        raise
+
+
+def stop_engines(engines: Sequence[RunningEngine]) -> None:
+    """Stop every engine (they shut down in parallel)."""
+    for e in engines:
+        if e.proc.poll() is None:
+            try:
+                os.killpg(e.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+    for e in engines:
+        e.stop()

@@ -1,0 +1,166 @@
+"""The fleet benchmark's workload, routers and summaries: plain logic, no I/O.
+
+A workload is a set of multi-turn conversations written as token ids, so every
+configuration of a run sends exactly the same prompts whatever the model answers:
+each conversation opens with one system prompt shared by all of them, and each round
+appends a new user turn; the assistant turns in the history are scripted, not the
+model's answer. A router picks the engine of each (conversation, round).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Token ids the workloads draw from: above the tiny tokenizer's special tokens.
+FIRST_TOKEN_ID = 3
+
+
+@dataclass(frozen=True)
+class ConversationShape:
+    """How long each part of a conversation is, in tokens."""
+
+    conversations: int = 4
+    rounds: int = 6
+    system_tokens: int = 640
+    user_tokens: int = 96
+    assistant_tokens: int = 160
+    answer_tokens: int = 16  # tokens each request generates (streamed)
+    vocab_size: int = 512
+    seed: int = 7
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field out of range."""
+        for name in ("conversations", "rounds", "user_tokens", "answer_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("system_tokens", "assistant_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        if self.vocab_size <= FIRST_TOKEN_ID + 1:
+            raise ValueError(f"vocab_size must exceed {FIRST_TOKEN_ID + 1}, got {self.vocab_size}")
+
+    def prompt_tokens(self, round_index: int) -> int:
+        """Prompt length of round ``round_index`` (0-based) of any conversation."""
+        return (
+            self.system_tokens
+            + (round_index + 1) * self.user_tokens
+            + round_index * self.assistant_tokens
+        )
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request: the prompt of round ``round_index`` of conversation ``conversation``."""
+
+    conversation: int
+    round_index: int
+    prompt: tuple[int, ...]
+
+
+class ConversationScript:
+    """Every prompt of a workload, deterministic for its shape (``shape.seed``)."""
+
+    def __init__(self, shape: ConversationShape) -> None:
+        shape.validate()
+        self.shape = shape
+        rng = random.Random(shape.seed)
+
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(FIRST_TOKEN_ID, shape.vocab_size) for _ in range(n)]
+
+        system = tokens(shape.system_tokens)
+        self._prompts: list[list[tuple[int, ...]]] = []
+        for _ in range(shape.conversations):
+            history = list(system)
+            rounds = []
+            for r in range(shape.rounds):
+                if r:
+                    history += tokens(shape.assistant_tokens)
+                history += tokens(shape.user_tokens)
+                rounds.append(tuple(history))
+            self._prompts.append(rounds)
+
+    def turn(self, conversation: int, round_index: int) -> Turn:
+        """The request of round ``round_index`` of ``conversation``."""
+        return Turn(conversation, round_index, self._prompts[conversation][round_index])
+
+
+ROUTERS = ("round-robin", "random", "sticky")
+
+
+@dataclass(frozen=True)
+class Router:
+    """Picks the engine of each request.
+
+    ``round-robin``: round r of conversation c goes to engine (c + r) mod N, so every
+    new turn lands on another engine than the last; ``sticky``: conversation c always
+    on engine c mod N; ``random``: a seeded choice per (conversation, round), the same
+    in every configuration of a run.
+    """
+
+    policy: str
+    engines: int
+    seed: int = 11
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.policy!r}")
+        if self.engines < 1:
+            raise ValueError(f"engines must be at least 1, got {self.engines}")
+
+    def engine_for(self, conversation: int, round_index: int) -> int:
+        """Index of the engine that serves this request."""
+        if self.policy == "sticky":
+            return conversation % self.engines
+        if self.policy == "round-robin":
+            return (conversation + round_index) % self.engines
+        return random.Random(f"{self.seed}:{conversation}:{round_index}").randrange(self.engines)
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    """Mean and percentiles of a set of latencies, in seconds."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> LatencySummary:
+        """Summary of ``values`` (all NaN when empty); percentiles by linear interpolation."""
+        if not values:
+            nan = math.nan
+            return cls(0, nan, nan, nan, nan)
+        return cls(
+            len(values),
+            statistics.fmean(values),
+            percentile(values, 50),
+            percentile(values, 90),
+            percentile(values, 99),
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of non-empty ``values``, linearly interpolated."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def share_of_ideal_gain(baseline: float, measured: float, ideal: float) -> float:
+    """(baseline - measured) / (baseline - ideal): 1.0 when ``measured`` reaches the
+    ideal, 0.0 when it is no better than the baseline; NaN when the ideal gains nothing."""
+    gain = baseline - ideal
+    if not gain > 0:
+        return math.nan
+    return (baseline - measured) / gain
