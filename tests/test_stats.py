@@ -78,3 +78,37 @@ def test_layer_waits_reach_the_log_line_and_prometheus() -> None:
     assert "layer_wait_ms" not in UMBPConnectorStats(data={"loads": 1}).reduce()
     prom.observe({"layer_wait_ms": 4.5}, 0)
     assert reg.get_sample_value("vllm:umbp_layer_wait_ms_total", {"engine": "0"}) == 4.5
+
+
+def test_step_observations_concatenate_across_workers_and_feed_histograms() -> None:
+    ws = WorkerStats()
+    ws.observe("sync_load_wait_s", 0.004)
+    ws.observe("stalled_requests", 3)
+    ws.add(sync_loads=1)
+    a = UMBPConnectorStats(data=ws.take())
+    assert "sync_load_wait_s" not in ws.take()  # observations reset on report too
+    other = UMBPConnectorStats(data={"sync_load_wait_s": [0.006], "lookup_s": [0.001]})
+    a.aggregate(other)
+    assert a.data["sync_load_wait_s"] == [0.004, 0.006] and a.data["sync_loads"] == 1
+    red = a.reduce()
+    assert red["avg_sync_load_wait_ms"] == 5.0 and red["avg_lookup_ms"] == 1.0
+    assert red["stalled_requests"] == 3
+    reg, prom = prometheus_metrics()
+    prom.observe(a.data, 0)
+    labels = {"engine": "0"}
+    assert reg.get_sample_value("vllm:umbp_sync_load_wait_seconds_count", labels) == 2
+    total = reg.get_sample_value("vllm:umbp_sync_load_wait_seconds_sum", labels)
+    assert total is not None and abs(total - 0.01) < 1e-9
+    assert reg.get_sample_value("vllm:umbp_stalled_requests_sum", labels) == 3
+    le = {"engine": "0", "le": "0.005"}
+    assert reg.get_sample_value("vllm:umbp_sync_load_wait_seconds_bucket", le) == 1
+    assert reg.get_sample_value("vllm:umbp_lookup_seconds_count", labels) == 1
+
+
+def test_observations_are_bounded_per_interval() -> None:
+    from umbp_redis.engine.stats import MAX_OBSERVATIONS
+
+    ws = WorkerStats()
+    for i in range(MAX_OBSERVATIONS + 10):
+        ws.observe("store_cpu_s", float(i))
+    assert len(ws.take()["store_cpu_s"]) == MAX_OBSERVATIONS

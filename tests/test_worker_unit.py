@@ -487,7 +487,7 @@ def test_host_kv_loads_receive_straight_into_the_blocks_without_staging(
         assert torch.equal(page_bytes(dst_caches[name], 12, NB), page_bytes(caches2[name], 5, NB))
 
 
-def test_the_worker_shortens_pythons_thread_switch_interval(
+def test_the_switch_interval_is_short_only_while_loads_are_in_flight(
     model_config: ModelConfig, redis_url: str
 ) -> None:
     import sys
@@ -495,12 +495,39 @@ def test_the_worker_shortens_pythons_thread_switch_interval(
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)  # Python's default
-        make_worker(model_config, redis_url, gil_switch_interval_ms=0)
-        assert sys.getswitchinterval() == 0.005  # 0: left alone
-        make_worker(model_config, redis_url)
+        stored_source(model_config, redis_url, H1, 3, seed=31)
+        w, _ = make_worker(model_config, redis_url)
+        assert sys.getswitchinterval() == 0.005  # no load in flight: left alone
+        seen: list[float] = []
+        load = w.plane.load
+
+        def recording(*args: Any, **kw: Any) -> Any:
+            seen.append(sys.getswitchinterval())
+            return load(*args, **kw)
+
+        w.plane.load = recording  # type: ignore[method-assign]
+        step(w, UMBPConnectorMetadata(loads=[BlockLoadBatch("r", (H1,), (9,), (0,))]))
+        assert wait_loaded(w, "r") == set()
+        assert seen and all(abs(v - 0.0002) < 1e-9 for v in seen)
+        deadline = time.monotonic() + 10
+        while sys.getswitchinterval() != 0.005 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the transfer thread restores it as its load ends
+        assert sys.getswitchinterval() == 0.005
+        # Nested holds: the last release restores; 0 never changes it; never lengthened.
+        from umbp_redis.engine.worker import LoadSwitchInterval
+
+        scope = LoadSwitchInterval()
+        assert scope.hold(0.2) and scope.hold(0.2)
+        scope.release()
         assert abs(sys.getswitchinterval() - 0.0002) < 1e-9
-        make_worker(model_config, redis_url, gil_switch_interval_ms=1)
-        assert abs(sys.getswitchinterval() - 0.0002) < 1e-9  # never lengthened
+        scope.release()
+        assert sys.getswitchinterval() == 0.005
+        assert not scope.hold(0)
+        sys.setswitchinterval(0.0001)
+        assert scope.hold(1)
+        assert abs(sys.getswitchinterval() - 0.0001) < 1e-9
+        scope.release()
+        assert abs(sys.getswitchinterval() - 0.0001) < 1e-9
     finally:
         sys.setswitchinterval(before)
 

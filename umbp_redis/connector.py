@@ -123,9 +123,12 @@ class UMBPRedisConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_worker_meta() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> UMBPConnectorStats | None:
-        if self._worker is None:
+        if self._worker is not None:
+            data = self._worker.take_stats()
+        elif self._scheduler is not None:
+            data = self._scheduler.take_stats()
+        else:
             return None
-        data = self._worker.take_stats()
         return UMBPConnectorStats(data=data) if any(data.values()) else None
 
     @classmethod

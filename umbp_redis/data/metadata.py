@@ -38,12 +38,14 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     """Scheduler-to-worker plans for one engine step.
 
     ``loads``/``stores`` are the step's batches; ``cancelled_requests`` are preempted or
-    aborted requests whose pending transfers the workers drop.
+    aborted requests whose pending transfers the workers drop; ``step_requests`` is how
+    many requests the step computes (those that wait behind its sync loads).
     """
 
     loads: list[BlockLoadBatch] = field(default_factory=list)
     stores: list[BlockStoreBatch] = field(default_factory=list)
     cancelled_requests: list[str] = field(default_factory=list)
+    step_requests: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -42,6 +42,7 @@ from umbp_redis.data import (
     block_failures_reportable,
     tp_replicated_group_ids,
 )
+from umbp_redis.engine.stats import StatsRecorder
 from umbp_redis.store.deployment import DataPlane, shared_plane
 from umbp_redis.store.settings import RedisSettings
 
@@ -80,6 +81,7 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[Callable[..., R]], Calla
     def wrap(fn: Callable[..., R]) -> Callable[..., R]:
         @functools.wraps(fn)
         def guarded(self: UMBPScheduler, *args: Any, **kwargs: Any) -> R:
+            t0 = time.perf_counter()
             try:
                 return fn(self, *args, **kwargs)
             except Exception as e:
@@ -93,6 +95,8 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[Callable[..., R]], Calla
                     exc_info=first,
                 )
                 return fallback(self, *args, **kwargs)  # type: ignore[no-any-return]
+            finally:
+                self._hooks_s += time.perf_counter() - t0
 
         return guarded
 
@@ -163,6 +167,8 @@ class UMBPScheduler:
         plane: DataPlane | None = None,
     ) -> None:
         self.errors = 0  # hook failures turned into misses (see _guarded)
+        self.stats = StatsRecorder()  # the per-step account (lookups, hook time)
+        self._hooks_s = 0.0  # seconds in guarded hooks since the last step's metadata
         self._logged_errors: set[str] = set()
         ktc = vllm_config.kv_transfer_config
         role = ktc.kv_role if ktc else "kv_both"
@@ -431,14 +437,14 @@ class UMBPScheduler:
             entry = self._lookups.get(request.request_id)
             if entry is None or entry[0] != sig:
                 n_cmds = n_blocks * len(self.groups)
-                fut = self._lookup_pool.submit(self.plane.lookup_blocks, cmds[:n_cmds], count)
+                fut = self._lookup_pool.submit(self._timed_lookup, cmds[:n_cmds], count)
                 self._lookups[request.request_id] = (sig, fut)
                 return None, False
             if not entry[1].done():
                 return None, False
             replies = entry[1].result()
         else:
-            replies = self.plane.lookup_blocks(cmds, count)
+            replies = self._timed_lookup(cmds, count)
         if replies is None or len(replies) != count:
             return 0, False
         now = time.monotonic() if self.quarantine else 0.0
@@ -473,6 +479,18 @@ class UMBPScheduler:
             return 0, False
         st.load_async = self.loads_async(tokens // bs)
         return tokens, st.load_async
+
+    def _timed_lookup(self, cmds: list[Any], count: int) -> list[int] | None:
+        """The data plane's lookup of ``cmds``, its time recorded as ``lookup_s``."""
+        t0 = time.perf_counter()
+        try:
+            return self.plane.lookup_blocks(cmds, count)
+        finally:
+            self.stats.observe("lookup_s", time.perf_counter() - t0)
+
+    def take_stats(self) -> dict[str, Any]:
+        """The scheduler's per-step account since the last call (and reset it)."""
+        return self.stats.take()
 
     def loads_async(self, blocks: int) -> bool:
         """Whether a load of ``blocks`` blocks runs while its request waits (async) or
@@ -610,8 +628,10 @@ class UMBPScheduler:
         The loads vLLM was promised always go out; a failure while planning stores only
         drops this step's stores (logged and counted).
         """
+        t0 = time.perf_counter()
         meta = UMBPConnectorMetadata()
         meta.loads, self.pending_loads = self.pending_loads, []
+        meta.step_requests = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         if (
             self.idle_wait_s > 0
             and self.load_pins
@@ -639,6 +659,8 @@ class UMBPScheduler:
                 if batch.event_id in self.pinned:
                     self._release(batch.event_id)
             meta.stores = []
+        self.stats.observe("scheduler_step_s", self._hooks_s + time.perf_counter() - t0)
+        self._hooks_s = 0.0
         return meta
 
     def _release_stale_pins(self) -> None:

@@ -1,7 +1,15 @@
-"""Connector statistics in vLLM's periodic log (``KVConnectorStats``)."""
+"""Connector statistics in vLLM's periodic log (``KVConnectorStats``) and Prometheus.
+
+Counters are numbers summed over workers and intervals; the per-step account
+(``STEP_OBSERVATIONS``) travels as lists of observations, concatenated, and feeds the
+``vllm:umbp_*`` histograms.
+"""
 
 from __future__ import annotations
 
+import math
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +17,80 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+# Observations one recorder keeps per interval at most (the newest are dropped).
+MAX_OBSERVATIONS = 4096
+
+# The per-step account: name in the stats data -> (Prometheus histogram, help, buckets).
+_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+STEP_OBSERVATIONS: dict[str, tuple[str, str, tuple[float, ...]]] = {
+    "lookup_s": (
+        "vllm:umbp_lookup_seconds",
+        "Seconds of each prefix lookup's round trip to Redis (scheduler).",
+        _SECONDS_BUCKETS,
+    ),
+    "scheduler_step_s": (
+        "vllm:umbp_scheduler_step_seconds",
+        "Seconds the connector's scheduler hooks took per engine step, lookups included.",
+        _SECONDS_BUCKETS,
+    ),
+    "sync_load_wait_s": (
+        "vllm:umbp_sync_load_wait_seconds",
+        "Seconds a step's forward pass waited for its sync loads (per step with one).",
+        _SECONDS_BUCKETS,
+    ),
+    "stalled_requests": (
+        "vllm:umbp_stalled_requests",
+        "Other requests of a step that waited behind its sync loads (per step with one).",
+        (0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+    ),
+    "store_cpu_s": (
+        "vllm:umbp_store_cpu_seconds",
+        "CPU seconds of each store batch: its gather on the engine thread and its writes.",
+        _SECONDS_BUCKETS,
+    ),
+}
+
+
+class StatsRecorder:
+    """Thread-safe counters and per-step observations of one side of the connector,
+    handed out and reset by ``take``."""
+
+    FIELDS: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, Any] = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **kw: float) -> None:
+        """Add to counters."""
+        with self._lock:
+            for k, v in kw.items():
+                self.values[k] = self.values.get(k, 0) + v
+
+    def observe(self, name: str, value: float) -> None:
+        """Record one observation of ``name`` (one of ``STEP_OBSERVATIONS``)."""
+        with self._lock:
+            seen = self.values.setdefault(name, [])
+            if len(seen) < MAX_OBSERVATIONS:
+                seen.append(value)
+
+    def take(self) -> dict[str, Any]:
+        """Counters and observations since the last call (and reset them)."""
+        with self._lock:
+            out, self.values = self.values, dict.fromkeys(self.FIELDS, 0)
+            return out
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if isinstance(a, list) or isinstance(b, list):
+        return [*(a or []), *(b or [])]
+    return a + b
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
 
 
 @dataclass
@@ -22,7 +104,7 @@ class UMBPConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> UMBPConnectorStats:
         """Sum another worker's (or interval's) counters into this one."""
         for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
+            self.data[k] = _merge(self.data.get(k, 0), v)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -53,6 +135,15 @@ class UMBPConnectorStats(KVConnectorStats):
             out["avg_load_ms"] = round(d.get("load_ms_total", 0) / d["loads"], 2)
         if d.get("stores"):
             out["avg_store_ms"] = round(d.get("store_ms_total", 0) / d["stores"], 2)
+        for name, label in (
+            ("lookup_s", "avg_lookup_ms"),
+            ("sync_load_wait_s", "avg_sync_load_wait_ms"),
+            ("store_cpu_s", "avg_store_cpu_ms"),
+        ):
+            if d.get(name):
+                out[label] = round(_mean(d[name]) * 1e3, 2)
+        if d.get("stalled_requests"):
+            out["stalled_requests"] = sum(d["stalled_requests"])
         return out
 
     def is_empty(self) -> bool:
@@ -137,9 +228,22 @@ class UMBPPromMetrics(KVConnectorPromMetrics):
             idx: {n: c.labels(*values) for n, c in self._counters.items()}
             for idx, values in per_engine_labelvalues.items()
         }
+        histograms = {
+            name: self._histogram_cls(
+                name=metric,
+                documentation=doc,
+                labelnames=labelnames,
+                buckets=list(buckets),  # type: ignore[call-arg]
+            )
+            for name, (metric, doc, buckets) in STEP_OBSERVATIONS.items()
+        }
+        self._histograms = {
+            idx: {n: h.labels(*values) for n, h in histograms.items()}
+            for idx, values in per_engine_labelvalues.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Add one interval's counters."""
+        """Add one interval's counters and its per-step observations."""
         metrics = self._per_engine.get(engine_idx)
         if metrics is None:
             return
@@ -148,6 +252,9 @@ class UMBPPromMetrics(KVConnectorPromMetrics):
             value = data.get(name, 0)
             if value:
                 metric.inc(value)  # type: ignore[union-attr]
+        for name, histogram in self._histograms.get(engine_idx, {}).items():
+            for value in data.get(name) or ():
+                histogram.observe(value)  # type: ignore[union-attr]
         values = self._per_engine_labelvalues.get(engine_idx, [])
         for key, value in data.items():
             if key.startswith(NODE_FAILURES_PREFIX) and value:

@@ -46,7 +46,7 @@ from umbp_redis.engine.copy.interface import BlockCopier, CopyHandle
 from umbp_redis.engine.layer_gate import LayerGate
 from umbp_redis.engine.load_scatter import ScatterAsLoaded
 from umbp_redis.engine.staging import StagingPool, staging_budget
-from umbp_redis.engine.stats import CLUSTER_COUNTERS, NODE_FAILURES_PREFIX
+from umbp_redis.engine.stats import CLUSTER_COUNTERS, NODE_FAILURES_PREFIX, StatsRecorder
 from umbp_redis.engine.weights import weights_fingerprint
 from umbp_redis.store.deployment import DataPlane, shared_plane
 from umbp_redis.store.errors import ConfigError
@@ -126,24 +126,56 @@ def _copy_plan(plans: list[BlockTransferPlan], slots: list[int]) -> StagingCopyP
     )
 
 
-def shorten_switch_interval(ms: float) -> None:
-    """Set Python's thread switch interval to ``ms`` milliseconds if it is longer (0: no
-    change). A transfer thread gives up the GIL on every socket read; while vLLM's engine
-    loop runs Python without pause, taking it back waits up to the interval each time."""
-    if ms <= 0:
-        return
-    before = sys.getswitchinterval()
-    if before > ms / 1e3:
-        sys.setswitchinterval(ms / 1e3)
-        log.info(
-            "umbp-redis: Python's thread switch interval set to %.2f ms (was %.2f ms; "
-            "gil_switch_interval_ms) so transfers are not starved by the engine loop",
-            ms,
-            before * 1e3,
-        )
+class LoadSwitchInterval:
+    """Python's thread switch interval, shortened while loads are in flight, process-wide.
+
+    A transfer thread gives up the GIL on every socket read; while vLLM's engine loop or
+    forward pass runs Python, taking it back waits up to the interval (5 ms by default)
+    each time, hundreds of times per load. A short interval makes every thread of the
+    process switch that often, though, the forward pass's too: so it holds only while
+    some worker of the process has a load in flight (stores wait for nobody)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._saved: float | None = None
+        self._logged = False
+
+    def hold(self, ms: float) -> bool:
+        """Shorten the interval to ``ms`` milliseconds if it is longer (0: no change)
+        until the matching ``release``; returns whether the caller must release."""
+        if ms <= 0:
+            return False
+        with self._lock:
+            self._holders += 1
+            current = sys.getswitchinterval()
+            if self._saved is None and current > ms / 1e3:
+                self._saved = current
+                sys.setswitchinterval(ms / 1e3)
+                if not self._logged:
+                    self._logged = True
+                    log.info(
+                        "umbp-redis: Python's thread switch interval is %.2f ms while loads "
+                        "are in flight (%.2f ms otherwise; gil_switch_interval_ms)",
+                        ms,
+                        current * 1e3,
+                    )
+        return True
+
+    def release(self) -> None:
+        """End one ``hold``; the last one restores the interval it found."""
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._saved is not None:
+                sys.setswitchinterval(self._saved)
+                self._saved = None
 
 
-class WorkerStats:
+# The process's one switch-interval holder (the interval is a process-wide setting).
+LOAD_SWITCH_INTERVAL = LoadSwitchInterval()
+
+
+class WorkerStats(StatsRecorder):
     """Counters the worker reports through ``KVConnectorStats`` (reset on each report)."""
 
     FIELDS = (
@@ -161,22 +193,6 @@ class WorkerStats:
         "layer_wait_ms",
         "stores",
     ) + CARRIED_COUNTERS
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values: dict[str, float] = dict.fromkeys(self.FIELDS, 0)
-
-    def add(self, **kw: float) -> None:
-        """Add to counters."""
-        with self._lock:
-            for k, v in kw.items():
-                self.values[k] = self.values.get(k, 0) + v
-
-    def take(self) -> dict[str, float]:
-        """Counters since the last call (and reset them)."""
-        with self._lock:
-            out, self.values = self.values, dict.fromkeys(self.FIELDS, 0)
-            return out
 
 
 class UMBPWorker:
@@ -240,6 +256,8 @@ class UMBPWorker:
         # A sync load of this step failed: the forward pass computed over blocks that did
         # not load, so this step's stores would write KV computed from them.
         self._step_sync_failed = False
+        # Seconds this step's forward pass has waited for its sync loads so far.
+        self._step_sync_wait_s = 0.0
         self._dropped_stores_logged = False
         self._store_reports: dict[int, StoreEventResult] = {}
         # Block hashes whose load failed (invalid or error) since the last report; those
@@ -253,6 +271,7 @@ class UMBPWorker:
         self._unreported_gathers: list[tuple[int, frozenset[str], CopyHandle]] = []
         self._cancelled: set[str] = set()
         self._loading: dict[str, int] = {}  # request id -> loads in flight
+        self._switch_held = False  # this worker holds LOAD_SWITCH_INTERVAL (loads in flight)
         self._futures: set[Any] = set()
         self.meta: UMBPConnectorMetadata | None = None
         self._stores_submitted = False
@@ -267,7 +286,7 @@ class UMBPWorker:
         # run after the batch. True or False forces either (benchmarks).
         self.scatter_as_loaded: bool | None = None
         self.sync_load_timeout_s = float(options["sync_load_timeout_s"])
-        shorten_switch_interval(float(options["gil_switch_interval_ms"]))
+        self.load_switch_interval_ms = float(options["gil_switch_interval_ms"])
         self.staging: StagingPool | None = None
         log.info(
             "umbp-redis worker %s: key namespace %s (%s)",
@@ -360,6 +379,7 @@ class UMBPWorker:
         self.meta = meta
         self._stores_submitted = False
         self._step_sync_failed = False
+        self._step_sync_wait_s = 0.0
         if meta.cancelled_requests:
             with self._lock:
                 # Only requests with a load in flight need remembering (bounded memory).
@@ -386,6 +406,8 @@ class UMBPWorker:
             with self._lock:
                 self._cancelled.discard(batch.request_id)
                 self._loading[batch.request_id] = self._loading.get(batch.request_id, 0) + 1
+                if not self._switch_held:
+                    self._switch_held = LOAD_SWITCH_INTERVAL.hold(self.load_switch_interval_ms)
             if batch.load_async:
                 self._track(self._loads.submit(self._run_load, batch, True, after))
             elif self._loads_by_layer(batch):
@@ -399,7 +421,9 @@ class UMBPWorker:
                 self._track(fut)
                 self._step_gates.append((gate, fut, batch))
             else:  # vLLM runs the forward pass once this returns
+                t0 = time.perf_counter()
                 self._run_load(batch, False, after)
+                self._step_sync_wait_s += time.perf_counter() - t0
 
     def _loads_by_layer(self, batch: BlockLoadBatch) -> bool:
         """Whether a sync load runs alongside the forward pass (host KV caches, values
@@ -428,13 +452,16 @@ class UMBPWorker:
                     layer_name,
                     self.sync_load_timeout_s,
                 )
-        self.stats.add(layer_wait_ms=(time.perf_counter() - t0) * 1e3)
+        waited = time.perf_counter() - t0
+        self._step_sync_wait_s += waited
+        self.stats.add(layer_wait_ms=waited * 1e3)
 
     def _join_layer_loads(self) -> None:
         """End of the forward pass: wait for this step's loads by layer to end (each by
         its deadline, plus a grace); a load that has not ended, or one some layer of
         which the forward pass did not wait for, fails all its blocks."""
         gates, self._step_gates = self._step_gates, []
+        t0 = time.perf_counter()
         for gate, fut, batch in gates:
             try:
                 fut.result(
@@ -462,6 +489,8 @@ class UMBPWorker:
                         "sync loads now run before the forward pass (load_by_layer off)",
                         sorted(unwaited),
                     )
+        if gates:
+            self._step_sync_wait_s += time.perf_counter() - t0
 
     def wait_for_save(self) -> None:
         """Submit this step's stores (once per step); drop them all where a sync load of
@@ -469,12 +498,22 @@ class UMBPWorker:
         if self.meta is not None and not self._stores_submitted:
             self._stores_submitted = True
             self._join_layer_loads()
+            self._account_sync_wait(self.meta)
             with self._lock:
                 tainted = self._step_sync_failed
             if tainted:
                 self._drop_stores(self.meta.stores)
             else:
                 self._submit_stores(self.meta.stores)
+
+    def _account_sync_wait(self, meta: UMBPConnectorMetadata) -> None:
+        """Record how long this step waited for its sync loads and how many other
+        requests of the step waited with them."""
+        syncing = {b.request_id for b in meta.loads if not b.load_async and not b.fail_all}
+        if not syncing:
+            return
+        self.stats.observe("sync_load_wait_s", self._step_sync_wait_s)
+        self.stats.observe("stalled_requests", max(0, meta.step_requests - len(syncing)))
 
     def clear(self) -> None:
         """End of step: submit stores if no forward pass ran, drop the metadata."""
@@ -563,6 +602,7 @@ class UMBPWorker:
             log.debug("staging full: dropped %d block stores", len(plans))
             self._report_store(batch.event_id, keys)
             return
+        t0 = time.thread_time()
         try:
             gathered = self.copier.gather(_copy_plan(plans, slots))
         except Exception as e:  # a copy bug drops the store, never the engine
@@ -574,7 +614,8 @@ class UMBPWorker:
         # The scheduler unpins the source blocks once the event is reported: only
         # after the gather has read them.
         self._unreported_gathers.append((batch.event_id, keys, gathered))
-        self._track(self._stores.submit(self._write, plans, slots, gathered))
+        gather_cpu_s = time.thread_time() - t0
+        self._track(self._stores.submit(self._write, plans, slots, gathered, gather_cpu_s))
 
     def _report_finished_gathers(self) -> None:
         """Report the store events whose gathers are done, without blocking.
@@ -601,10 +642,15 @@ class UMBPWorker:
             self._store_reports[event_id] = prev.merge(res) if prev else res
 
     def _write(
-        self, plans: list[BlockTransferPlan], slots: list[int], gathered: CopyHandle
+        self,
+        plans: list[BlockTransferPlan],
+        slots: list[int],
+        gathered: CopyHandle,
+        gather_cpu_s: float = 0.0,
     ) -> None:
         assert self.staging is not None
         t0 = time.perf_counter()
+        cpu0 = time.thread_time()
         try:
             try:
                 gathered.wait()  # the staging bytes are complete only after the copy
@@ -639,6 +685,7 @@ class UMBPWorker:
         finally:
             self.staging.release(slots)
             self.stats.add(stores=1, store_ms_total=(time.perf_counter() - t0) * 1e3)
+            self.stats.observe("store_cpu_s", gather_cpu_s + time.thread_time() - cpu0)
 
     # -- loads ------------------------------------------------------------------------
 
@@ -781,6 +828,9 @@ class UMBPWorker:
                 else:
                     self._loading.pop(batch.request_id, None)
                     self._cancelled.discard(batch.request_id)
+                if not self._loading and self._switch_held:
+                    self._switch_held = False
+                    LOAD_SWITCH_INTERVAL.release()
 
     def _is_cancelled(self, request_id: str) -> bool:
         """Whether the scheduler cancelled ``request_id``'s loads (preempted)."""

@@ -64,8 +64,10 @@ CONNECTOR_COUNTERS = (
     "vllm:umbp_store_failures_total",
     "vllm:umbp_stores_dropped_total",
 )
+# The connector's per-step account (its histograms; see umbp_redis.engine.stats).
 STEP_HISTOGRAMS = (
     "vllm:umbp_lookup_seconds",
+    "vllm:umbp_scheduler_step_seconds",
     "vllm:umbp_sync_load_wait_seconds",
     "vllm:umbp_store_cpu_seconds",
     "vllm:umbp_stalled_requests",
@@ -457,7 +459,7 @@ def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]
             add("local_hit_tokens", run.counters.get(PREFIX_HITS, 0.0))
             add("external_hit_tokens", run.counters.get(EXTERNAL_HITS, 0.0))
             add("redis_bytes", run.redis_used_bytes)
-            for counter in ("lookup_seconds", "sync_load_wait_seconds", "store_cpu_seconds"):
+            for counter in _ACCOUNTED:
                 key = f"vllm:umbp_{counter}"
                 n = run.counters.get(f"{key}_count", 0.0)
                 add(f"{counter}_total", run.counters.get(f"{key}_sum", 0.0))
@@ -482,6 +484,14 @@ def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]
                 add("ttft_p90_vs_twin", s.p90 / t.p90 if t.p90 else math.nan)
         out[name] = {k: _median_spread(v) for k, v in per.items()}
     return out
+
+
+_ACCOUNTED = (
+    "lookup_seconds",
+    "scheduler_step_seconds",
+    "sync_load_wait_seconds",
+    "store_cpu_seconds",
+)
 
 
 def _twin(name: str, reps: dict[str, ConfigRun]) -> ConfigRun | None:
@@ -561,7 +571,8 @@ def account_lines(result: dict[str, Any]) -> list[str]:
 
         stalled = stats.get("stalled_requests", {}).get("median", 0.0)
         lines.append(
-            f"{name}: lookups {per('lookup_seconds')}; sync-load waits "
+            f"{name}: lookups {per('lookup_seconds')}; scheduler hooks "
+            f"{per('scheduler_step_seconds')}; sync-load waits "
             f"{per('sync_load_wait_seconds')}; store CPU {per('store_cpu_seconds')}; "
             f"other requests stalled behind sync loads {stalled:.0f}"
         )

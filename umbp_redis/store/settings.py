@@ -240,7 +240,8 @@ OPTIONS: tuple[Option, ...] = (
         (int, float),
         0.2,
         "Python's thread switch interval (sys.setswitchinterval) the worker sets in its "
-        "process when it is longer: vLLM's engine loop runs Python without pause while a "
+        "process while loads are in flight, when it is longer (the setting it found is "
+        "restored when none is): vLLM's engine loop runs Python without pause while a "
         "request waits for its load, and with Python's default of 5 ms each resumption of "
         "a transfer thread after a socket read can wait that long (measured side by side on "
         "CPU: loads 0.03 against 1.04 GB/s). 0 leaves Python's setting alone.",

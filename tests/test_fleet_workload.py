@@ -1,0 +1,159 @@
+"""The fleet benchmark's logic: conversation scripts, routers, summaries (no engines)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from umbp_redis.ops.bench_fleet import (
+    ConfigRun,
+    RequestRecord,
+    build_configs,
+    format_table,
+    ideal_block_count,
+    parse_variant,
+    summarize,
+)
+from umbp_redis.ops.fleet_engines import parse_prometheus
+from umbp_redis.ops.fleet_workload import (
+    ConversationScript,
+    ConversationShape,
+    LatencySummary,
+    Router,
+    percentile,
+    share_of_ideal_gain,
+)
+
+
+def test_conversations_share_the_system_prompt_and_grow_their_own_history() -> None:
+    shape = ConversationShape(
+        conversations=3,
+        rounds=4,
+        system_tokens=50,
+        user_tokens=7,
+        assistant_tokens=11,
+        vocab_size=100,
+    )
+    script = ConversationScript(shape)
+    first = [script.turn(c, 0).prompt for c in range(3)]
+    assert all(p[:50] == first[0][:50] for p in first)  # one shared system prompt
+    assert len({p[50:] for p in first}) == 3  # each conversation's own user turn
+    for c in range(3):
+        for r in range(1, 4):
+            prev, cur = script.turn(c, r - 1).prompt, script.turn(c, r).prompt
+            assert cur[: len(prev)] == prev  # history is kept, the new turn appended
+            assert len(cur) == shape.prompt_tokens(r)
+    assert all(3 <= t < 100 for t in script.turn(2, 3).prompt)
+    again = ConversationScript(shape)  # deterministic for its shape
+    assert again.turn(1, 2) == script.turn(1, 2)
+    other = ConversationScript(ConversationShape(**{**shape.__dict__, "seed": 8}))
+    assert other.turn(1, 2) != script.turn(1, 2)
+
+
+def test_shape_rejects_what_cannot_run() -> None:
+    with pytest.raises(ValueError, match="rounds"):
+        ConversationShape(rounds=0).validate()
+    with pytest.raises(ValueError, match="vocab_size"):
+        ConversationShape(vocab_size=4).validate()
+
+
+def test_routers() -> None:
+    rr = Router("round-robin", 2)
+    assert [rr.engine_for(0, r) for r in range(4)] == [0, 1, 0, 1]
+    assert [rr.engine_for(1, r) for r in range(4)] == [1, 0, 1, 0]
+    sticky = Router("sticky", 3)
+    assert {sticky.engine_for(4, r) for r in range(6)} == {1}
+    rnd = Router("random", 2)
+    picks = [rnd.engine_for(c, r) for c in range(8) for r in range(6)]
+    assert picks == [Router("random", 2).engine_for(c, r) for c in range(8) for r in range(6)]
+    assert set(picks) == {0, 1}
+    with pytest.raises(ValueError, match="router must be one of"):
+        Router("nearest", 2)
+
+
+def test_percentiles_and_the_share_of_the_ideal_gain() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    s = LatencySummary.of([0.1, 0.2, 0.3])
+    assert s.count == 3 and abs(s.mean - 0.2) < 1e-12 and s.p50 == 0.2
+    assert math.isnan(LatencySummary.of([]).mean)
+    assert share_of_ideal_gain(1.0, 0.55, 0.5) == pytest.approx(0.9)
+    assert share_of_ideal_gain(1.0, 1.2, 0.5) == pytest.approx(-0.4)  # slower than none
+    assert math.isnan(share_of_ideal_gain(1.0, 0.8, 1.0))
+
+
+def test_configs_variants_and_the_ideal_cache_size() -> None:
+    names = [
+        c.name
+        for c in build_configs(
+            "round-robin",
+            24,
+            96,
+            small_redis=True,
+            variants=[parse_variant("gil:gil_switch_interval_ms=0")],
+        )
+    ]
+    assert names == [
+        "no-connector",
+        "umbp-redis",
+        "ideal",
+        "sticky",
+        "sticky-umbp",
+        "small-redis",
+        "gil",
+    ]
+    assert parse_variant("x:load_async=true,store_mode=lazy") == (
+        "x",
+        {"load_async": True, "store_mode": "lazy"},
+    )
+    with pytest.raises(ValueError, match="NAME:key=value"):
+        parse_variant("no-colon")
+    with pytest.raises(ValueError, match="taken"):
+        build_configs("sticky", 24, 96, variants=[("ideal", {})])
+    shape = ConversationShape(conversations=4, rounds=6)
+    # 2 conversations per engine at 2032 tokens (16 blocks each) need 32 + 4 blocks
+    assert ideal_block_count(shape, 2, 128, 8) == 36
+    assert ideal_block_count(shape, 2, 128, 24) == 96
+
+
+def _run(config: str, repeat: int, ttfts: list[float], text: str = "a") -> ConfigRun:
+    reqs = [RequestRecord(0, r, 0, t, t + 1, 100, 50, text) for r, t in enumerate(ttfts)]
+    return ConfigRun(config, repeat, reqs, wall_s=2.0, counters={"vllm:prefix_cache_hits_total": 7})
+
+
+def test_summary_takes_rounds_after_the_first_and_compares_configs_per_repeat() -> None:
+    runs = []
+    for rep, scale in ((0, 1.0), (1, 2.0)):
+        runs += [
+            _run("no-connector", rep, [9.0, 1.0 * scale, 1.0 * scale]),
+            _run("umbp-redis", rep, [9.0, 0.6 * scale, 0.6 * scale], text="b"),
+            _run("ideal", rep, [9.0, 0.5 * scale, 0.5 * scale]),
+        ]
+    s = summarize(["no-connector", "umbp-redis", "ideal"], runs)
+    assert s["no-connector"]["ttft_mean_s"] == {"median": 1.5, "min": 1.0, "max": 2.0}
+    assert s["umbp-redis"]["ideal_gain_share_mean"]["median"] == pytest.approx(0.8)
+    assert s["umbp-redis"]["ttft_mean_vs_twin"]["median"] == pytest.approx(0.6)
+    assert s["umbp-redis"]["outputs_equal_share"]["median"] == 0.0
+    assert s["ideal"]["outputs_equal_share"]["median"] == 1.0
+    assert s["umbp-redis"]["hit_tokens"]["median"] == 100  # rounds 2 and 3
+    result = {
+        "plan": {"engines": 2, "shape": {"conversations": 1, "rounds": 3}},
+        "runs": [{"repeat": r.repeat} for r in runs],
+        "summary": s,
+    }
+    table = format_table(result)
+    assert "umbp-redis" in table and "80%" in table and "0.60x" in table
+
+
+def test_prometheus_text_is_summed_over_labels() -> None:
+    text = (
+        "# HELP vllm:prefix_cache_hits_total hits\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 128.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 256.0\n'
+        'vllm:umbp_lookup_seconds_bucket{engine="0",le="+Inf"} 3.0\n'
+        "vllm:umbp_lookup_seconds_sum 0.5\n"
+    )
+    got = parse_prometheus(text)
+    assert got["vllm:prefix_cache_hits_total"] == 384.0
+    assert got["vllm:umbp_lookup_seconds_sum"] == 0.5
