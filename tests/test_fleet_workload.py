@@ -103,14 +103,18 @@ def test_configs_variants_and_the_ideal_cache_size() -> None:
         "small-redis",
         "gil",
     ]
-    assert parse_variant("x:load_async=true,store_mode=lazy") == (
-        "x",
-        {"load_async": True, "store_mode": "lazy"},
-    )
-    with pytest.raises(ValueError, match="NAME:key=value"):
+    v = parse_variant("x@sticky:load_async=true,store_mode=lazy,env.PYTHONPATH=/a")
+    assert (v.name, v.router) == ("x", "sticky")
+    assert v.options == {"load_async": True, "store_mode": "lazy"}
+    assert v.env == {"PYTHONPATH": "/a"}
+    sticky = build_configs("round-robin", 24, 96, variants=[v])[-1]
+    assert sticky.router == "sticky" and sticky.engine_env == (("PYTHONPATH", "/a"),)
+    with pytest.raises(ValueError, match="router must be one of"):
+        parse_variant("x@nearest:a=1")
+    with pytest.raises(ValueError, match=r"NAME\[@ROUTER\]:key=value"):
         parse_variant("no-colon")
     with pytest.raises(ValueError, match="taken"):
-        build_configs("sticky", 24, 96, variants=[("ideal", {})])
+        build_configs("sticky", 24, 96, variants=[parse_variant("ideal:a=1")])
     shape = ConversationShape(conversations=4, rounds=6)
     # 2 conversations per engine at 2032 tokens (16 blocks each) need 32 + 4 blocks
     assert ideal_block_count(shape, 2, 128, 8) == 36

@@ -11,7 +11,10 @@ rotated every repeat so the machine's drift hits all of them):
   with the connector;
 - ``small-redis`` (``--small-redis``): as ``umbp-redis`` with Redis ``maxmemory`` at half
   of what ``umbp-redis`` stored in the same repeat (``allkeys-lru``);
-- ``--variant NAME:key=value,...``: as ``umbp-redis`` with connector options changed.
+- ``--variant NAME[@ROUTER]:key=value,...``: as ``umbp-redis`` (with ``ROUTER``'s routing
+  if given) with connector options changed; a key ``env.VAR`` sets an environment
+  variable of the configuration's engines instead (``env.PYTHONPATH=DIR`` runs another
+  tree's connector, for a before-and-after in one run).
 
 TTFT is measured over rounds 2 and later (the first round of a conversation has no
 history to hit). "Share of the ideal gain" is (TTFT no-connector - TTFT umbp-redis) /
@@ -45,6 +48,7 @@ from umbp_redis.ops.fleet_engines import (
 )
 from umbp_redis.ops.fleet_workload import (
     FIRST_TOKEN_ID,
+    ROUTERS,
     ConversationScript,
     ConversationShape,
     LatencySummary,
@@ -84,6 +88,7 @@ class FleetConfig:
     connector: bool
     connector_options: tuple[tuple[str, Any], ...] = ()
     redis_maxmemory_share: float = 0.0  # of umbp-redis's stored bytes; 0: unlimited
+    engine_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -129,7 +134,7 @@ def build_configs(
     ideal_blocks: int,
     *,
     small_redis: bool = False,
-    variants: Sequence[tuple[str, dict[str, Any]]] = (),
+    variants: Sequence[Variant] = (),
 ) -> list[FleetConfig]:
     """The configurations of a run, the base five first."""
     configs = [
@@ -141,29 +146,56 @@ def build_configs(
     ]
     if small_redis:
         configs.append(FleetConfig("small-redis", router, blocks, True, (), 0.5))
-    for name, options in variants:
-        if any(c.name == name for c in configs):
-            raise ValueError(f"--variant name {name!r} is taken by another configuration")
-        configs.append(FleetConfig(name, router, blocks, True, tuple(sorted(options.items()))))
+    for v in variants:
+        if any(c.name == v.name for c in configs):
+            raise ValueError(f"--variant name {v.name!r} is taken by another configuration")
+        configs.append(
+            FleetConfig(
+                v.name,
+                v.router or router,
+                blocks,
+                True,
+                tuple(sorted(v.options.items())),
+                engine_env=tuple(sorted(v.env.items())),
+            )
+        )
     return configs
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """``NAME:key=value,key=value`` to (name, options); values are JSON where they parse
-    (numbers, true/false), else strings."""
-    name, sep, rest = text.partition(":")
+@dataclass(frozen=True)
+class Variant:
+    """A configuration added with ``--variant``."""
+
+    name: str
+    router: str | None
+    options: dict[str, Any]
+    env: dict[str, str]
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME[@ROUTER]:key=value,key=value`` to a ``Variant``; values are JSON where they
+    parse (numbers, true/false), else strings; ``env.VAR=value`` keys are environment
+    variables of the engines."""
+    head, sep, rest = text.partition(":")
+    name, _, router = head.partition("@")
     if not sep or not name:
-        raise ValueError(f"--variant expects NAME:key=value[,key=value], got {text!r}")
+        raise ValueError(f"--variant expects NAME[@ROUTER]:key=value[,key=value], got {text!r}")
+    if router and router not in ROUTERS:
+        raise ValueError(f"--variant {name}: router must be one of {', '.join(ROUTERS)}")
     options: dict[str, Any] = {}
+    env: dict[str, str] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ValueError(f"--variant option {item!r} is not key=value")
+        if key.startswith("env."):
+            env[key[4:]] = value
+            continue
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    return name, options
+    return Variant(name, router or None, options, env)
 
 
 def ideal_block_count(shape: ConversationShape, engines: int, block_size: int, blocks: int) -> int:
@@ -337,6 +369,7 @@ def run_config(
                 str(i % _cpu_count()),
                 ktc,
                 max_model_len=plan.max_model_len,
+                extra_env=config.engine_env,
             )
             for i in range(plan.engines)
         ]
