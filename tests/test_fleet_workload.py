@@ -103,10 +103,12 @@ def test_configs_variants_and_the_ideal_cache_size() -> None:
         "small-redis",
         "gil",
     ]
-    v = parse_variant("x@sticky:load_async=true,store_mode=lazy,env.PYTHONPATH=/a")
+    v = parse_variant(
+        "x@sticky:load_async=true,store_mode=lazy,env.PYTHONPATH=/a,ktc.kv_role=kv_consumer"
+    )
     assert (v.name, v.router) == ("x", "sticky")
     assert v.options == {"load_async": True, "store_mode": "lazy"}
-    assert v.env == {"PYTHONPATH": "/a"}
+    assert v.env == {"PYTHONPATH": "/a"} and v.transfer_fields == {"kv_role": "kv_consumer"}
     sticky = build_configs("round-robin", 24, 96, variants=[v])[-1]
     assert sticky.router == "sticky" and sticky.engine_env == (("PYTHONPATH", "/a"),)
     with pytest.raises(ValueError, match="router must be one of"):

@@ -14,7 +14,8 @@ rotated every repeat so the machine's drift hits all of them):
 - ``--variant NAME[@ROUTER]:key=value,...``: as ``umbp-redis`` (with ``ROUTER``'s routing
   if given) with connector options changed; a key ``env.VAR`` sets an environment
   variable of the configuration's engines instead (``env.PYTHONPATH=DIR`` runs another
-  tree's connector, for a before-and-after in one run).
+  tree's connector, for a before-and-after in one run), and ``ktc.FIELD`` a field of
+  ``--kv-transfer-config`` (``ktc.kv_role=kv_consumer``: lookups and loads, no stores).
 
 TTFT is measured over rounds 2 and later (the first round of a conversation has no
 history to hit). "Share of the ideal gain" is (TTFT no-connector - TTFT umbp-redis) /
@@ -89,6 +90,7 @@ class FleetConfig:
     connector_options: tuple[tuple[str, Any], ...] = ()
     redis_maxmemory_share: float = 0.0  # of umbp-redis's stored bytes; 0: unlimited
     engine_env: tuple[tuple[str, str], ...] = ()
+    transfer_fields: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -157,6 +159,7 @@ def build_configs(
                 True,
                 tuple(sorted(v.options.items())),
                 engine_env=tuple(sorted(v.env.items())),
+                transfer_fields=tuple(sorted(v.transfer_fields.items())),
             )
         )
     return configs
@@ -170,6 +173,7 @@ class Variant:
     router: str | None
     options: dict[str, Any]
     env: dict[str, str]
+    transfer_fields: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_variant(text: str) -> Variant:
@@ -184,6 +188,7 @@ def parse_variant(text: str) -> Variant:
         raise ValueError(f"--variant {name}: router must be one of {', '.join(ROUTERS)}")
     options: dict[str, Any] = {}
     env: dict[str, str] = {}
+    fields: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not key:
@@ -191,11 +196,12 @@ def parse_variant(text: str) -> Variant:
         if key.startswith("env."):
             env[key[4:]] = value
             continue
+        target, key = (fields, key[4:]) if key.startswith("ktc.") else (options, key)
         try:
-            options[key] = json.loads(value)
+            target[key] = json.loads(value)
         except json.JSONDecodeError:
-            options[key] = value
-    return Variant(name, router or None, options, env)
+            target[key] = value
+    return Variant(name, router or None, options, env, fields)
 
 
 def ideal_block_count(shape: ConversationShape, engines: int, block_size: int, blocks: int) -> int:
@@ -361,6 +367,7 @@ def run_config(
                     "redis_url": server.url,
                     **dict(config.connector_options),
                 },
+                **dict(config.transfer_fields),
             }
         specs = [
             EngineSpec(
