@@ -69,6 +69,12 @@ CONNECTOR_COUNTERS = (
     "vllm:umbp_store_failures_total",
     "vllm:umbp_stores_dropped_total",
 )
+# vLLM's own request-phase histograms (seconds), summed into each result.
+ENGINE_HISTOGRAMS = (
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:time_to_first_token_seconds",
+)
 # The connector's per-step account (its histograms; see umbp_redis.engine.stats).
 STEP_HISTOGRAMS = (
     "vllm:umbp_lookup_seconds",
@@ -120,6 +126,8 @@ class ConfigRun:
     redis_used_bytes: int = 0
     redis_keys: int = 0
     redis_maxmemory: int = 0
+    redis_cpu_s: float = 0.0  # the server's CPU time during the workload
+    engine_cpu_s: dict[str, float] = field(default_factory=dict)  # by process name
 
     def ttfts(self, first_round: int = 1) -> list[float]:
         """TTFTs of successful requests of rounds >= ``first_round`` (0-based)."""
@@ -308,7 +316,14 @@ async def _warm_up(engines: Sequence[RunningEngine], model: str, vocab: int) -> 
 def _counter_delta(
     engines: Sequence[RunningEngine], before: list[dict[str, float]]
 ) -> dict[str, float]:
-    names = (PREFIX_HITS, PREFIX_QUERIES, EXTERNAL_HITS, EXTERNAL_QUERIES, *CONNECTOR_COUNTERS)
+    names = (
+        PREFIX_HITS,
+        PREFIX_QUERIES,
+        EXTERNAL_HITS,
+        EXTERNAL_QUERIES,
+        *CONNECTOR_COUNTERS,
+        *(f"{h}_{s}" for h in ENGINE_HISTOGRAMS for s in ("sum", "count")),
+    )
     hist = [f"{h}_{s}" for h in STEP_HISTOGRAMS for s in ("sum", "count")]
     out: dict[str, float] = {}
     for e, b in zip(engines, before, strict=True):
@@ -384,8 +399,10 @@ def run_config(
         engines = start_engines(specs, plan.log_dir / f"r{repeat}-{config.name}")
         asyncio.run(_warm_up(engines, plan.model, plan.shape.vocab_size))
         before = [e.metrics() for e in engines]
+        cpu_before = [e.cpu_seconds() for e in engines]
         r = redis.Redis.from_url(server.url)
         base_mem = int(r.info("memory")["used_memory"])
+        base_cpu = _server_cpu_s(r)
         status(f"{config.name}: {plan.shape.conversations} conversations")
         t0 = time.perf_counter()
         out.requests = asyncio.run(
@@ -401,13 +418,22 @@ def run_config(
         )
         out.wall_s = time.perf_counter() - t0
         out.counters = _counter_delta(engines, before)
+        for e, b in zip(engines, cpu_before, strict=True):
+            for name, now in e.cpu_seconds().items():
+                out.engine_cpu_s[name] = out.engine_cpu_s.get(name, 0.0) + now - b.get(name, 0.0)
         out.redis_used_bytes = max(0, int(r.info("memory")["used_memory"]) - base_mem)
         out.redis_keys = int(r.dbsize())
+        out.redis_cpu_s = _server_cpu_s(r) - base_cpu
         r.close()
     finally:
         stop_engines(engines)
         server.cleanup()
     return out
+
+
+def _server_cpu_s(r: Any) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def _cpu_count() -> int:
@@ -499,6 +525,14 @@ def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]
             add("local_hit_tokens", run.counters.get(PREFIX_HITS, 0.0))
             add("external_hit_tokens", run.counters.get(EXTERNAL_HITS, 0.0))
             add("redis_bytes", run.redis_used_bytes)
+            add("redis_cpu_s", run.redis_cpu_s)
+            for proc, cpu in run.engine_cpu_s.items():
+                add(f"cpu_s:{proc}", cpu)
+            for phase in ("request_queue_time", "request_prefill_time"):
+                key = f"vllm:{phase}_seconds"
+                n = run.counters.get(f"{key}_count", 0.0)
+                if n:
+                    add(f"{phase}_mean_s", run.counters.get(f"{key}_sum", 0.0) / n)
             for counter in _ACCOUNTED:
                 key = f"vllm:umbp_{counter}"
                 n = run.counters.get(f"{key}_count", 0.0)
@@ -596,9 +630,17 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def account_lines(result: dict[str, Any]) -> list[str]:
-    """The connector's per-step account of each configuration with the connector."""
+    """Where each configuration's time went: vLLM's queue and prefill phases, CPU
+    seconds of the engines' processes and of Redis, and the connector's per-step
+    account where it runs."""
     lines = []
     for name, stats in result["summary"].items():
+        cpu = ", ".join(
+            f"{k[6:]} {v['median']:.1f}" for k, v in sorted(stats.items()) if k.startswith("cpu_s:")
+        )
+        queue = stats.get("request_queue_time_mean_s", {}).get("median", math.nan)
+        prefill = stats.get("request_prefill_time_mean_s", {}).get("median", math.nan)
+        lines.append(f"{name}: mean queue {queue:.3f} s, prefill {prefill:.3f} s; CPU s: {cpu}")
         n = stats.get("lookup_seconds_count")
         if not n or not n["median"]:
             continue
@@ -610,8 +652,10 @@ def account_lines(result: dict[str, Any]) -> list[str]:
             return f"{total:.2f} s over {count:.0f} ({avg:.2f} ms each)"
 
         stalled = stats.get("stalled_requests", {}).get("median", 0.0)
+        redis_cpu = stats.get("redis_cpu_s", {}).get("median", math.nan)
         lines.append(
-            f"{name}: lookups {per('lookup_seconds')}; scheduler hooks "
+            f"{name}: Redis server CPU {redis_cpu:.2f} s; lookups {per('lookup_seconds')}; "
+            "scheduler hooks "
             f"{per('scheduler_step_seconds')}; sync-load waits "
             f"{per('sync_load_wait_seconds')}; store CPU {per('store_cpu_seconds')}; "
             f"other requests stalled behind sync loads {stalled:.0f}"

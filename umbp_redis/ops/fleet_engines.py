@@ -118,6 +118,10 @@ class RunningEngine:
         except (urllib.error.URLError, OSError):
             return False
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the engine's processes, by process name."""
+        return process_cpu_seconds(self.proc.pid)
+
     def metrics(self) -> dict[str, float]:
         """The engine's Prometheus samples, each name summed over its labels."""
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as resp:
@@ -137,6 +141,33 @@ class RunningEngine:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def process_cpu_seconds(pgid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process in process group ``pgid``,
+    summed by process name (vLLM names its processes: ``VLLM::EngineCor``,
+    ``VLLM::Worker``..., the API server keeps the interpreter's); {} off Linux."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, float] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) != pgid:  # fields[2] is the process group
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        out[name] = out.get(name, 0.0) + cpu
+    return out
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
