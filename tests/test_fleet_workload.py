@@ -152,6 +152,16 @@ def test_summary_takes_rounds_after_the_first_and_compares_configs_per_repeat() 
     assert "umbp-redis" in table and "80%" in table and "0.60x" in table
 
 
+def test_engine_load_counts_requests_in_flight_on_the_same_engine() -> None:
+    reqs = [
+        RequestRecord(0, 1, 0, 0.1, 2.0, 10, 0, "", "", 0.0),  # in flight over [0, 2)
+        RequestRecord(1, 1, 0, 0.1, 1.0, 10, 0, "", "", 1.5),  # sees the first
+        RequestRecord(2, 1, 1, 0.1, 1.0, 10, 0, "", "", 1.6),  # another engine: alone
+        RequestRecord(3, 1, 0, 0.1, 1.0, 10, 0, "", "", 2.0),  # the first ended: sees one
+    ]
+    assert ConfigRun("x", 0, reqs).engine_load() == pytest.approx((0 + 1 + 0 + 1) / 4)
+
+
 def test_prometheus_text_is_summed_over_labels() -> None:
     text = (
         "# HELP vllm:prefix_cache_hits_total hits\n"

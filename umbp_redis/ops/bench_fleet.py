@@ -112,6 +112,7 @@ class RequestRecord:
     cached_tokens: int
     text: str
     error: str = ""
+    sent_at_s: float = 0.0  # since the workload started
 
 
 @dataclass
@@ -132,6 +133,23 @@ class ConfigRun:
     def ttfts(self, first_round: int = 1) -> list[float]:
         """TTFTs of successful requests of rounds >= ``first_round`` (0-based)."""
         return [r.ttft_s for r in self.requests if r.round_index >= first_round and not r.error]
+
+    def engine_load(self, first_round: int = 1) -> float:
+        """Mean count of other requests in flight on the same engine when each request
+        of rounds >= ``first_round`` was sent: how evenly the router spread the work."""
+        done = [q for q in self.requests if not q.error]
+        counts = [
+            sum(
+                1
+                for o in done
+                if o is not q
+                and o.engine == q.engine
+                and o.sent_at_s <= q.sent_at_s < o.sent_at_s + o.latency_s
+            )
+            for q in done
+            if q.round_index >= first_round
+        ]
+        return statistics.fmean(counts) if counts else math.nan
 
     def hit_tokens(self, first_round: int = 1) -> int:
         """Prompt tokens served from a cache (local or external), rounds >= ``first_round``."""
@@ -276,6 +294,7 @@ async def _run_conversations(
     shape = script.shape
     records: list[RequestRecord] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    start = time.perf_counter()
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         async def conversation(c: int) -> None:
@@ -284,14 +303,15 @@ async def _run_conversations(
             for r in range(shape.rounds):
                 turn = script.turn(c, r)
                 e = router.engine_for(c, r)
+                sent = time.perf_counter() - start
                 try:
                     ttft, lat, pt, cached, text = await _stream_completion(
                         session, engines[e].base_url, model, turn.prompt, shape.answer_tokens
                     )
-                    records.append(RequestRecord(c, r, e, ttft, lat, pt, cached, text))
+                    records.append(RequestRecord(c, r, e, ttft, lat, pt, cached, text, "", sent))
                 except Exception as exc:
                     records.append(
-                        RequestRecord(c, r, e, math.nan, math.nan, 0, 0, "", repr(exc)[:300])
+                        RequestRecord(c, r, e, math.nan, math.nan, 0, 0, "", repr(exc)[:300], sent)
                     )
                 on_request()
 
@@ -522,6 +542,7 @@ def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]
             add("requests_per_s", len(ok) / run.wall_s if run.wall_s else math.nan)
             add("errors", len(run.requests) - len(ok))
             add("hit_tokens", run.hit_tokens())
+            add("engine_load", run.engine_load())
             add("local_hit_tokens", run.counters.get(PREFIX_HITS, 0.0))
             add("external_hit_tokens", run.counters.get(EXTERNAL_HITS, 0.0))
             add("redis_bytes", run.redis_used_bytes)
@@ -583,6 +604,7 @@ _TABLE_COLUMNS = (
     ("p90", "ttft_p90_s", "{:.3f}"),
     ("p99", "ttft_p99_s", "{:.3f}"),
     ("req/s", "requests_per_s", "{:.2f}"),
+    ("busy", "engine_load", "{:.2f}"),
     ("hit tok", "hit_tokens", "{:.0f}"),
     ("local", "local_hit_tokens", "{:.0f}"),
     ("redis", "external_hit_tokens", "{:.0f}"),
@@ -622,7 +644,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(
         f"\n{plan['engines']} engines, {shape['conversations']} conversations x "
         f"{shape['rounds']} rounds, {repeats} repeats; TTFT over rounds 2-{shape['rounds']}, "
-        "medians over repeats [min-max]; 'ideal gain': share of the ideal's TTFT gain over "
+        "medians over repeats [min-max]; 'busy': other requests in flight on the engine "
+        "a request was sent to; 'ideal gain': share of the ideal's TTFT gain over "
         "no-connector; 'vs twin': mean TTFT against the same routing and cache without the "
         "connector; 'same out': answers equal to no-connector's"
     )
