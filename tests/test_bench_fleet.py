@@ -1,0 +1,80 @@
+"""``umbp-redis bench fleet`` end to end: two real OpenAI-server engines on the tiny model,
+round-robin routing, one configuration without and one with the connector."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    png = tmp_path / "ttft.png"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "umbp_redis.ops.cli",
+            "bench",
+            "fleet",
+            "--model",
+            str(tiny_model),
+            "--configs",
+            "no-connector,umbp-redis",
+            "--conversations",
+            "2",
+            "--rounds",
+            "3",
+            "--system-tokens",
+            "300",
+            "--user-tokens",
+            "64",
+            "--assistant-tokens",
+            "100",
+            "--answer-tokens",
+            "4",
+            "--blocks",
+            "16",
+            "--repeats",
+            "1",
+            "--quiet",
+            "--json",
+            "--png",
+            str(png),
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    runs = {r["config"]: r for r in result["runs"]}
+    assert set(runs) == {"no-connector", "umbp-redis"}
+    for run in runs.values():
+        assert len(run["requests"]) == 6 and not any(q["error"] for q in run["requests"])
+        assert all(q["ttft_s"] > 0 for q in run["requests"])
+    # Round-robin: every later round lands on the other engine, which has only the
+    # system prompt locally; with the connector the rest of the history comes from Redis.
+    assert runs["no-connector"]["counters"].get("vllm:external_prefix_cache_hits_total", 0) == 0
+    umbp = runs["umbp-redis"]
+    assert umbp["counters"]["vllm:external_prefix_cache_hits_total"] > 0
+    assert umbp["counters"]["vllm:umbp_blocks_loaded_total"] > 0
+    assert umbp["redis_keys"] > 0 and umbp["redis_used_bytes"] > 0
+    later = [q for q in umbp["requests"] if q["round_index"] > 0]
+    base = [q for q in runs["no-connector"]["requests"] if q["round_index"] > 0]
+    assert sum(q["cached_tokens"] for q in later) > sum(q["cached_tokens"] for q in base)
+    # The per-step account reached Prometheus: one lookup per new request at least.
+    assert umbp["counters"]["vllm:umbp_lookup_seconds_count"] >= 6
+    assert umbp["counters"]["vllm:umbp_store_cpu_seconds_count"] > 0
+    # Never a wrong token: the same answers as the engines without the connector.
+    assert result["summary"]["umbp-redis"]["outputs_equal_share"]["median"] == 1.0
+    assert png.stat().st_size > 1000
