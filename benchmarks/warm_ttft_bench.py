@@ -39,14 +39,9 @@ from typing import Any
 
 from cpu_worker_emulation import omp_binding_env  # this script's folder is on sys.path
 
-MODEL = {
-    "hidden_size": 1024,
-    "num_layers": 8,
-    "num_attention_heads": 16,
-    "num_kv_heads": 4,
-    "intermediate_size": 2816,
-    "max_position_embeddings": 4096,
-}
+from umbp_redis.ops.tiny_model import PREFILL_BOUND_SPEC
+
+MODEL = PREFILL_BOUND_SPEC
 OBJECT_BYTES = 8 * 2 * 4 * 64 * 128 * 4  # layers x (K, V) x heads x head size x tokens x fp32
 RESERVED_CPUS = 1
 ENGINE_ENV: dict[str, str] = {}  # set by main: the OpenMP binding of every engine
@@ -331,13 +326,13 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from umbp_redis.ops.bench_dataplane import umbp_gbps
     from umbp_redis.ops.embedded_redis import EmbeddedRedis
-    from umbp_redis.ops.tiny_model import TinyModelSpec, build_tiny_llama, sample_prompts
+    from umbp_redis.ops.tiny_model import build_tiny_llama, sample_prompts
     from umbp_redis.store.plane import RedisDataPlane
     from umbp_redis.store.settings import RedisSettings
 
     work = Path(args.work)
     work.mkdir(exist_ok=True)
-    model = build_tiny_llama(work / "prefill-bound-llama", TinyModelSpec(**MODEL))
+    model = build_tiny_llama(work / "prefill-bound-llama", MODEL)
     prompts = sample_prompts(args.prompts, args.words, seed=11)
     with EmbeddedRedis() as server:
         plane = RedisDataPlane(RedisSettings.from_url(server.url))

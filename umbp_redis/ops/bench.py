@@ -163,17 +163,6 @@ def _register_fleet(targets: Any) -> None:
     fl.set_defaults(handler=_run_fleet)
 
 
-# The fleet benchmark's default model: prefill-bound on a CPU core, 2 MiB a block.
-FLEET_MODEL = {
-    "hidden_size": 1024,
-    "num_layers": 8,
-    "num_attention_heads": 16,
-    "num_kv_heads": 4,
-    "intermediate_size": 2816,
-    "max_position_embeddings": 4096,
-}
-
-
 def _run_fleet(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
@@ -190,7 +179,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         write_png,
     )
     from umbp_redis.ops.fleet_workload import ConversationShape
-    from umbp_redis.ops.tiny_model import TinyModelSpec, build_tiny_llama
+    from umbp_redis.ops.tiny_model import PREFILL_BOUND_SPEC, build_tiny_llama
     from umbp_redis.store.errors import ConfigError
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="umbp-fleet-"))
@@ -211,7 +200,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         if args.model:
             model = args.model
         else:
-            spec = TinyModelSpec(**FLEET_MODEL)  # type: ignore[arg-type]
+            spec = PREFILL_BOUND_SPEC
             model = str(build_tiny_llama(work / "model", spec))
             shape = ConversationShape(**{**shape.__dict__, "vocab_size": spec.vocab_size})
         wanted = [c for c in args.configs.split(",") if c]

@@ -37,6 +37,18 @@ class TinyModelSpec:
         return self.hidden_size // self.num_attention_heads
 
 
+# A random Llama whose engines are prefill-bound on a CPU core (fp32: an object of one
+# 128-token block, every layer, is 2 MiB): the benchmarks' model.
+PREFILL_BOUND_SPEC = TinyModelSpec(
+    hidden_size=1024,
+    num_layers=8,
+    num_attention_heads=16,
+    num_kv_heads=4,
+    intermediate_size=2816,
+    max_position_embeddings=4096,
+)
+
+
 def _train_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
