@@ -173,3 +173,10 @@ def test_prometheus_text_is_summed_over_labels() -> None:
     got = parse_prometheus(text)
     assert got["vllm:prefix_cache_hits_total"] == 384.0
     assert got["vllm:umbp_lookup_seconds_sum"] == 0.5
+
+
+def test_the_longest_request_is_the_last_round_and_its_answer() -> None:
+    shape = ConversationShape(
+        rounds=6, system_tokens=640, user_tokens=96, assistant_tokens=160, answer_tokens=16
+    )
+    assert shape.longest_request_tokens == 640 + 6 * 96 + 5 * 160 + 16

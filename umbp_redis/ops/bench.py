@@ -101,6 +101,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
 
 def _register_fleet(targets: Any) -> None:
     from umbp_redis.ops.bench_fleet import BASE_CONFIGS
+    from umbp_redis.ops.fleet_workload import ROUTERS
 
     fl = targets.add_parser(
         "fleet",
@@ -110,7 +111,7 @@ def _register_fleet(targets: Any) -> None:
     fl.add_argument("--engines", type=int, default=2, help="engines, one core each (default 2)")
     fl.add_argument(
         "--router",
-        choices=("round-robin", "random", "sticky"),
+        choices=ROUTERS,
         default="round-robin",
         help="routing of no-connector and umbp-redis (default round-robin: round r of "
         "conversation c on engine (c+r) mod N)",
@@ -145,8 +146,10 @@ def _register_fleet(targets: Any) -> None:
         "--variant",
         action="append",
         default=[],
-        metavar="NAME:key=value,...",
-        help="add a configuration: umbp-redis with these connector options (repeatable)",
+        metavar="NAME[@ROUTER]:key=value,...",
+        help="add a configuration (repeatable): umbp-redis, routed by ROUTER if given, with "
+        "these connector options; env.VAR=value sets an engine environment variable, "
+        "ktc.FIELD=value a field of --kv-transfer-config",
     )
     fl.add_argument(
         "--model",
@@ -207,7 +210,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         unknown = sorted(set(wanted) - set(BASE_CONFIGS))
         if unknown:
             raise ValueError(f"--configs: unknown {unknown}; choose from {BASE_CONFIGS}")
-        longest = shape.prompt_tokens(shape.rounds - 1) + shape.answer_tokens
+        longest = shape.longest_request_tokens
         if longest > args.blocks * block_size:
             raise ValueError(
                 f"--blocks {args.blocks} holds {args.blocks * block_size} tokens, fewer than "

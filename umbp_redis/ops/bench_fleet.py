@@ -75,14 +75,6 @@ ENGINE_HISTOGRAMS = (
     "vllm:request_prefill_time_seconds",
     "vllm:time_to_first_token_seconds",
 )
-# The connector's per-step account (its histograms; see umbp_redis.engine.stats).
-STEP_HISTOGRAMS = (
-    "vllm:umbp_lookup_seconds",
-    "vllm:umbp_scheduler_step_seconds",
-    "vllm:umbp_sync_load_wait_seconds",
-    "vllm:umbp_store_cpu_seconds",
-    "vllm:umbp_stalled_requests",
-)
 
 
 @dataclass(frozen=True)
@@ -234,8 +226,8 @@ def ideal_block_count(shape: ConversationShape, engines: int, block_size: int, b
     """KV blocks per engine for which sticky routing evicts nothing: every conversation
     an engine serves at its longest, plus its answer, and at least 4x ``blocks``."""
     per_engine = -(-shape.conversations // engines)
-    longest = shape.prompt_tokens(shape.rounds - 1) + shape.answer_tokens
-    need = per_engine * -(-longest // block_size) + 2 + engines  # the warm-up requests
+    blocks_each = -(-shape.longest_request_tokens // block_size)
+    need = per_engine * blocks_each + 2 + engines  # 2 + engines: the warm-up requests
     return max(4 * blocks, need)
 
 
@@ -344,7 +336,9 @@ def _counter_delta(
         *CONNECTOR_COUNTERS,
         *(f"{h}_{s}" for h in ENGINE_HISTOGRAMS for s in ("sum", "count")),
     )
-    hist = [f"{h}_{s}" for h in STEP_HISTOGRAMS for s in ("sum", "count")]
+    from umbp_redis.engine.stats import STEP_OBSERVATIONS  # the per-step account
+
+    hist = [f"{h}_{s}" for h, _, _ in STEP_OBSERVATIONS.values() for s in ("sum", "count")]
     out: dict[str, float] = {}
     for e, b in zip(engines, before, strict=True):
         now = e.metrics()
@@ -368,8 +362,7 @@ class FleetPlan:
     @property
     def max_model_len(self) -> int:
         """The longest request, prompt and answer, rounded up to whole blocks."""
-        longest = self.shape.prompt_tokens(self.shape.rounds - 1) + self.shape.answer_tokens
-        return -(-longest // self.block_size) * self.block_size
+        return -(-self.shape.longest_request_tokens // self.block_size) * self.block_size
 
 
 def run_config(
@@ -554,11 +547,11 @@ def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]
                 n = run.counters.get(f"{key}_count", 0.0)
                 if n:
                     add(f"{phase}_mean_s", run.counters.get(f"{key}_sum", 0.0) / n)
-            for counter in _ACCOUNTED:
-                key = f"vllm:umbp_{counter}"
-                n = run.counters.get(f"{key}_count", 0.0)
-                add(f"{counter}_total", run.counters.get(f"{key}_sum", 0.0))
-                add(f"{counter}_count", n)
+            for key, n in run.counters.items():  # the account's timings, where collected
+                if key.startswith("vllm:umbp_") and key.endswith("_seconds_count"):
+                    timing = key[len("vllm:umbp_") : -len("_count")]
+                    add(f"{timing}_total", run.counters.get(f"vllm:umbp_{timing}_sum", 0.0))
+                    add(f"{timing}_count", n)
             add("stalled_requests", run.counters.get("vllm:umbp_stalled_requests_sum", 0.0))
             base = reps.get("no-connector")
             if base is not None:
@@ -579,14 +572,6 @@ def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]
                 add("ttft_p90_vs_twin", s.p90 / t.p90 if t.p90 else math.nan)
         out[name] = {k: _median_spread(v) for k, v in per.items()}
     return out
-
-
-_ACCOUNTED = (
-    "lookup_seconds",
-    "scheduler_step_seconds",
-    "sync_load_wait_seconds",
-    "store_cpu_seconds",
-)
 
 
 def _twin(name: str, reps: dict[str, ConfigRun]) -> ConfigRun | None:

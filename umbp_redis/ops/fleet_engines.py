@@ -127,20 +127,24 @@ class RunningEngine:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as resp:
             return parse_prometheus(resp.read().decode())
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGINT the engine's process group, then SIGKILL after ``timeout_s``."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGKILL, 10.0)):
+    def interrupt(self) -> None:
+        """SIGINT the engine's process group (vLLM's orderly shutdown) if it runs."""
+        self._signal(signal.SIGINT)
+
+    def wait_or_kill(self, timeout_s: float = 20.0) -> None:
+        """Wait ``timeout_s`` for the engine to exit, then SIGKILL its process group."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.proc.wait(10.0)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+                pass
 
 
 def process_cpu_seconds(pgid: int) -> dict[str, float]:
@@ -228,10 +232,6 @@ def start_engines(
 def stop_engines(engines: Sequence[RunningEngine]) -> None:
     """Stop every engine (they shut down in parallel)."""
     for e in engines:
-        if e.proc.poll() is None:
-            try:
-                os.killpg(e.proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
+        e.interrupt()
     for e in engines:
-        e.stop()
+        e.wait_or_kill()

@@ -43,6 +43,11 @@ class ConversationShape:
         if self.vocab_size <= FIRST_TOKEN_ID + 1:
             raise ValueError(f"vocab_size must exceed {FIRST_TOKEN_ID + 1}, got {self.vocab_size}")
 
+    @property
+    def longest_request_tokens(self) -> int:
+        """Tokens of the longest request: the last round's prompt and its answer."""
+        return self.prompt_tokens(self.rounds - 1) + self.answer_tokens
+
     def prompt_tokens(self, round_index: int) -> int:
         """Prompt length of round ``round_index`` (0-based) of any conversation."""
         return (
