@@ -78,3 +78,67 @@ def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
     # Never a wrong token: the same answers as the engines without the connector.
     assert result["summary"]["umbp-redis"]["outputs_equal_share"]["median"] == 1.0
     assert png.stat().st_size > 1000
+
+
+def test_vllms_client_warms_one_engine_and_the_other_loads_its_prefixes_from_redis(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "umbp_redis.ops.cli",
+            "bench",
+            "fleet",
+            "--workload",
+            "vllm-prefix-repetition",
+            "--model",
+            str(tiny_model),
+            "--configs",
+            "no-connector,umbp-redis",
+            "--prompts",
+            "6",
+            "--prefixes",
+            "2",
+            "--prefix-tokens",
+            "300",
+            "--suffix-tokens",
+            "64",
+            "--answer-tokens",
+            "4",
+            "--blocks",
+            "16",
+            "--repeats",
+            "1",
+            "--quiet",
+            "--json",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    runs = {r["config"]: r for r in result["runs"]}
+    for run in runs.values():
+        warm = [q for q in run["requests"] if q["round_index"] == 0]
+        measured = [q for q in run["requests"] if q["round_index"] == 1]
+        assert len(warm) == len(measured) == 6
+        assert {q["engine"] for q in warm} == {0} and {q["engine"] for q in measured} == {1}
+        assert not any(q["error"] for q in run["requests"])
+        assert all(q["ttft_s"] > 0 for q in measured)
+    # The counters cover the measured pass on engine 1: without the connector nothing
+    # of engine 0's work reaches it; with it, every prefix's full blocks come from Redis.
+    assert runs["no-connector"]["counters"].get("vllm:external_prefix_cache_hits_total", 0) == 0
+    umbp = runs["umbp-redis"]
+    assert umbp["counters"]["vllm:external_prefix_cache_hits_total"] >= 2 * 256
+    assert umbp["counters"]["vllm:umbp_blocks_loaded_total"] >= 2 * 2
+    summary = result["summary"]
+    assert (
+        summary["umbp-redis"]["hit_tokens"]["median"]
+        > summary["no-connector"]["hit_tokens"]["median"]
+    )
+    # Never a wrong token: engine 1's answers equal those of the engine without it.
+    assert summary["umbp-redis"]["outputs_equal_share"]["median"] == 1.0

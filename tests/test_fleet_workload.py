@@ -13,13 +13,17 @@ from umbp_redis.ops.bench_fleet import (
     format_table,
     ideal_block_count,
     parse_variant,
+    repetition_ideal_block_count,
     summarize,
+    workload_title,
 )
 from umbp_redis.ops.fleet_engines import parse_prometheus
+from umbp_redis.ops.fleet_vllm_client import client_arguments, requests_of
 from umbp_redis.ops.fleet_workload import (
     ConversationScript,
     ConversationShape,
     LatencySummary,
+    RepetitionShape,
     Router,
     percentile,
     share_of_ideal_gain,
@@ -180,3 +184,77 @@ def test_the_longest_request_is_the_last_round_and_its_answer() -> None:
         rounds=6, system_tokens=640, user_tokens=96, assistant_tokens=160, answer_tokens=16
     )
     assert shape.longest_request_tokens == 640 + 6 * 96 + 5 * 160 + 16
+
+
+def test_repetition_shape_bounds_and_the_ideal_cache_size() -> None:
+    shape = RepetitionShape(prompts=8, prefixes=2, prefix_tokens=300, suffix_tokens=64)
+    shape.validate()
+    assert shape.longest_request_tokens == 300 + 64 + 16 + RepetitionShape.RETOKENIZE_SLACK
+    for bad in (
+        RepetitionShape(prompts=1, prefixes=2),
+        RepetitionShape(prefix_tokens=0),
+        RepetitionShape(concurrency=0),
+    ):
+        with pytest.raises(ValueError):
+            bad.validate()
+    # Two prefixes of 3 blocks, then each of 8 prompts its own tail (1 block) and a
+    # partial block, and the warm-ups: 2*3 + 8*2 + 4 = 26 blocks; at least 4x --blocks.
+    assert repetition_ideal_block_count(shape, 128, 5) == 26
+    assert repetition_ideal_block_count(shape, 128, 16) == 64
+
+
+def test_vllms_client_accepts_the_pass_arguments_and_its_results_become_requests() -> None:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    shape = RepetitionShape(prompts=6, prefixes=3, concurrency=2, seed=5)
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(client_arguments(shape, "http://127.0.0.1:9", "m"))
+    assert args.dataset_name == "prefix_repetition"
+    assert (args.num_prompts, args.prefix_repetition_num_prefixes) == (6, 3)
+    assert args.max_concurrency == 2 and args.seed == 5 and args.temperature == 0.0
+    assert args.ready_check_timeout_sec == 0  # no probe request warms the measured engine
+    assert args.save_detailed  # per-request results
+
+    detailed = {
+        "ttfts": [0.5, 0.0],
+        "latencies": [0.9, 0.0],
+        "start_times": [100.0, 100.25],
+        "input_lens": [300, 301],
+        "generated_texts": ["abc", ""],
+        "errors": ["", "Bad Request"],
+    }
+    first, failed = requests_of(detailed)
+    assert (first.index, first.ttft_s, first.latency_s, first.text) == (0, 0.5, 0.9, "abc")
+    assert first.sent_at == 100.0 and first.prompt_tokens == 300
+    assert failed.error == "Bad Request" and math.isnan(failed.ttft_s)
+    with pytest.raises(RuntimeError):
+        requests_of({"ttfts": []})
+
+
+def test_the_client_workload_counts_hits_from_counters_and_says_what_it_measured() -> None:
+    run = ConfigRun("umbp-redis", 0, hits_from_counters=True)
+    run.requests = [RequestRecord(0, 1, 1, 0.2, 0.4, 300, 0, "x")]
+    run.counters = {
+        "vllm:prefix_cache_hits_total": 256.0,
+        "vllm:external_prefix_cache_hits_total": 512.0,
+    }
+    assert run.hit_tokens() == 768
+    title = workload_title(
+        {
+            "engines": 2,
+            "shape": {"conversations": 4, "rounds": 6},
+            "repetition": {
+                "prompts": 8,
+                "prefixes": 2,
+                "prefix_tokens": 300,
+                "suffix_tokens": 64,
+                "concurrency": 4,
+            },
+        }
+    )
+    assert "prefix_repetition: 8 prompts" in title and "engine 1" in title
+    assert "rounds 2-6" in workload_title(
+        {"engines": 2, "shape": {"conversations": 4, "rounds": 6}}
+    )

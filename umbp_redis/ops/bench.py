@@ -100,7 +100,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
 
 
 def _register_fleet(targets: Any) -> None:
-    from umbp_redis.ops.bench_fleet import BASE_CONFIGS
+    from umbp_redis.ops.bench_fleet import BASE_CONFIGS, WORKLOADS
     from umbp_redis.ops.fleet_workload import ROUTERS
 
     fl = targets.add_parser(
@@ -109,6 +109,15 @@ def _register_fleet(targets: Any) -> None:
         "multi-turn conversations: no connector, umbp-redis and the ideal side by side",
     )
     fl.add_argument("--engines", type=int, default=2, help="engines, one core each (default 2)")
+    fl.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="conversations",
+        help="conversations (default): multi-turn conversations at once; "
+        "vllm-prefix-repetition: vLLM's client (vllm.benchmarks.serve, prefix_repetition "
+        "dataset) warms engine 0, then the same prompts measure engine 1 (sticky "
+        "configurations: engine 0 again)",
+    )
     fl.add_argument(
         "--router",
         choices=ROUTERS,
@@ -124,6 +133,22 @@ def _register_fleet(targets: Any) -> None:
         "--assistant-tokens", type=int, default=160, help="tokens of each scripted assistant turn"
     )
     fl.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per request")
+    fl.add_argument("--prompts", type=int, default=16, help="vllm-prefix-repetition: prompts")
+    fl.add_argument(
+        "--prefixes", type=int, default=4, help="vllm-prefix-repetition: distinct prefixes"
+    )
+    fl.add_argument(
+        "--prefix-tokens", type=int, default=1024, help="vllm-prefix-repetition: prefix length"
+    )
+    fl.add_argument(
+        "--suffix-tokens", type=int, default=128, help="vllm-prefix-repetition: suffix length"
+    )
+    fl.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="vllm-prefix-repetition: requests in flight at most",
+    )
     fl.add_argument(
         "--conversation-rate",
         type=float,
@@ -178,10 +203,11 @@ def _run_fleet(args: argparse.Namespace) -> int:
         format_table,
         ideal_block_count,
         parse_variant,
+        repetition_ideal_block_count,
         run_fleet_bench,
         write_png,
     )
-    from umbp_redis.ops.fleet_workload import ConversationShape
+    from umbp_redis.ops.fleet_workload import ConversationShape, RepetitionShape
     from umbp_redis.ops.tiny_model import PREFILL_BOUND_SPEC, build_tiny_llama
     from umbp_redis.store.errors import ConfigError
 
@@ -210,13 +236,32 @@ def _run_fleet(args: argparse.Namespace) -> int:
         unknown = sorted(set(wanted) - set(BASE_CONFIGS))
         if unknown:
             raise ValueError(f"--configs: unknown {unknown}; choose from {BASE_CONFIGS}")
-        longest = shape.longest_request_tokens
+        repetition = None
+        if args.workload == "vllm-prefix-repetition":
+            if args.engines != 2:
+                raise ValueError(
+                    "--workload vllm-prefix-repetition warms engine 0 and measures engine 1: "
+                    f"--engines must be 2, got {args.engines}"
+                )
+            repetition = RepetitionShape(
+                prompts=args.prompts,
+                prefixes=args.prefixes,
+                prefix_tokens=args.prefix_tokens,
+                suffix_tokens=args.suffix_tokens,
+                answer_tokens=args.answer_tokens,
+                concurrency=args.concurrency,
+            )
+            repetition.validate()
+        longest = (repetition or shape).longest_request_tokens
         if longest > args.blocks * block_size:
             raise ValueError(
                 f"--blocks {args.blocks} holds {args.blocks * block_size} tokens, fewer than "
                 f"the longest request ({longest} tokens): raise --blocks or shorten the turns"
             )
-        ideal = ideal_block_count(shape, args.engines, block_size, args.blocks)
+        if repetition is not None:
+            ideal = repetition_ideal_block_count(repetition, block_size, args.blocks)
+        else:
+            ideal = ideal_block_count(shape, args.engines, block_size, args.blocks)
         configs = [
             c
             for c in build_configs(
@@ -233,6 +278,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         block_size=block_size,
         conversation_rate=args.conversation_rate,
         log_dir=work / "logs",
+        repetition=repetition,
     )
     result = run_fleet_bench(plan, configs, args.repeats, progress=not args.quiet)
     if args.png:

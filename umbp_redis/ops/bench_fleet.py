@@ -17,8 +17,13 @@ rotated every repeat so the machine's drift hits all of them):
   tree's connector, for a before-and-after in one run), and ``ktc.FIELD`` a field of
   ``--kv-transfer-config`` (``ktc.kv_role=kv_consumer``: lookups and loads, no stores).
 
-TTFT is measured over rounds 2 and later (the first round of a conversation has no
-history to hit). "Share of the ideal gain" is (TTFT no-connector - TTFT umbp-redis) /
+Workloads: multi-turn conversations (``fleet_workload``; TTFT is measured over rounds 2
+and later, the first round of a conversation has no history to hit), or vLLM's own
+client (``fleet_vllm_client``, ``--workload vllm-prefix-repetition``): one pass of its
+``prefix_repetition`` dataset warms engine 0, and the same prompts then measure engine 1
+(under sticky routing, engine 0 again: vLLM's local prefix cache); its passes are
+recorded as rounds 1 and 2, and the counters, CPU and Redis figures cover the measured
+pass only. "Share of the ideal gain" is (TTFT no-connector - TTFT umbp-redis) /
 (TTFT no-connector - TTFT ideal), per repeat; figures are medians over repeats with
 their spread.
 """
@@ -47,17 +52,20 @@ from umbp_redis.ops.fleet_engines import (
     start_engines,
     stop_engines,
 )
+from umbp_redis.ops.fleet_vllm_client import ClientRequest, run_client_pass
 from umbp_redis.ops.fleet_workload import (
     FIRST_TOKEN_ID,
     ROUTERS,
     ConversationScript,
     ConversationShape,
     LatencySummary,
+    RepetitionShape,
     Router,
     share_of_ideal_gain,
 )
 
 BASE_CONFIGS = ("no-connector", "umbp-redis", "ideal", "sticky", "sticky-umbp")
+WORKLOADS = ("conversations", "vllm-prefix-repetition")
 # The connector's Prometheus counters summed into each configuration's result.
 CONNECTOR_COUNTERS = (
     "vllm:umbp_blocks_loaded_total",
@@ -121,6 +129,7 @@ class ConfigRun:
     redis_maxmemory: int = 0
     redis_cpu_s: float = 0.0  # the server's CPU time during the workload
     engine_cpu_s: dict[str, float] = field(default_factory=dict)  # by process name
+    hits_from_counters: bool = False  # requests carry no cached-token count
 
     def ttfts(self, first_round: int = 1) -> list[float]:
         """TTFTs of successful requests of rounds >= ``first_round`` (0-based)."""
@@ -144,7 +153,11 @@ class ConfigRun:
         return statistics.fmean(counts) if counts else math.nan
 
     def hit_tokens(self, first_round: int = 1) -> int:
-        """Prompt tokens served from a cache (local or external), rounds >= ``first_round``."""
+        """Prompt tokens served from a cache (local or external), rounds >= ``first_round``;
+        from the engines' counters (which cover the measured requests only) where the
+        requests carry no count."""
+        if self.hits_from_counters:
+            return int(self.counters.get(PREFIX_HITS, 0.0) + self.counters.get(EXTERNAL_HITS, 0.0))
         return sum(r.cached_tokens for r in self.requests if r.round_index >= first_round)
 
 
@@ -228,6 +241,15 @@ def ideal_block_count(shape: ConversationShape, engines: int, block_size: int, b
     per_engine = -(-shape.conversations // engines)
     blocks_each = -(-shape.longest_request_tokens // block_size)
     need = per_engine * blocks_each + 2 + engines  # 2 + engines: the warm-up requests
+    return max(4 * blocks, need)
+
+
+def repetition_ideal_block_count(shape: RepetitionShape, block_size: int, blocks: int) -> int:
+    """KV blocks for which one engine evicts nothing of the dataset: every prefix once,
+    every prompt's own suffix and answer, and at least 4x ``blocks``."""
+    prefix_blocks = shape.prefixes * -(-shape.prefix_tokens // block_size)
+    tail = shape.suffix_tokens + shape.answer_tokens + shape.RETOKENIZE_SLACK
+    need = prefix_blocks + shape.prompts * (-(-tail // block_size) + 1) + 4  # 4: warm-ups
     return max(4 * blocks, need)
 
 
@@ -358,11 +380,27 @@ class FleetPlan:
     conversation_rate: float = 0.0
     request_timeout_s: float = 600.0
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="umbp-fleet-")))
+    # Set: the workload is vLLM's client on this dataset instead of the conversations.
+    repetition: RepetitionShape | None = None
+
+    @property
+    def longest_request_tokens(self) -> int:
+        """Tokens of the workload's longest request, prompt and answer."""
+        if self.repetition is not None:
+            return self.repetition.longest_request_tokens
+        return self.shape.longest_request_tokens
 
     @property
     def max_model_len(self) -> int:
         """The longest request, prompt and answer, rounded up to whole blocks."""
-        return -(-self.shape.longest_request_tokens // self.block_size) * self.block_size
+        return -(-self.longest_request_tokens // self.block_size) * self.block_size
+
+    @property
+    def requests_per_run(self) -> int:
+        """Requests one configuration sends in one repeat (both passes of the client)."""
+        if self.repetition is not None:
+            return 2 * self.repetition.prompts
+        return self.shape.conversations * self.shape.rounds
 
 
 def run_config(
@@ -409,26 +447,48 @@ def run_config(
             for i in range(plan.engines)
         ]
         status(f"{config.name}: starting {plan.engines} engines")
-        engines = start_engines(specs, plan.log_dir / f"r{repeat}-{config.name}")
+        run_dir = plan.log_dir / f"r{repeat}-{config.name}"
+        engines = start_engines(specs, run_dir)
         asyncio.run(_warm_up(engines, plan.model, plan.shape.vocab_size))
-        before = [e.metrics() for e in engines]
-        cpu_before = [e.cpu_seconds() for e in engines]
         r = redis.Redis.from_url(server.url)
         base_mem = int(r.info("memory")["used_memory"])
-        base_cpu = _server_cpu_s(r)
-        status(f"{config.name}: {plan.shape.conversations} conversations")
-        t0 = time.perf_counter()
-        out.requests = asyncio.run(
-            _run_conversations(
-                engines,
-                plan.model,
-                ConversationScript(plan.shape),
-                Router(config.router, plan.engines),
-                plan.conversation_rate,
-                on_request,
-                plan.request_timeout_s,
+        origin = time.perf_counter()
+        if plan.repetition is not None:
+            status(f"{config.name}: vLLM's client warming engine 0")
+            warm = run_client_pass(
+                plan.repetition, engines[0].base_url, plan.model, run_dir / "client.log"
             )
-        )
+            out.requests += _client_records(warm, 0, 0, origin, on_request)
+            if config.connector:
+                _wait_until_redis_settles(r)
+        # Everything below covers the measured requests only.
+        before = [e.metrics() for e in engines]
+        cpu_before = [e.cpu_seconds() for e in engines]
+        base_cpu = _server_cpu_s(r)
+        t0 = time.perf_counter()
+        if plan.repetition is None:
+            status(f"{config.name}: {plan.shape.conversations} conversations")
+            out.requests = asyncio.run(
+                _run_conversations(
+                    engines,
+                    plan.model,
+                    ConversationScript(plan.shape),
+                    Router(config.router, plan.engines),
+                    plan.conversation_rate,
+                    on_request,
+                    plan.request_timeout_s,
+                )
+            )
+        else:
+            # Sticky routing measures vLLM's own prefix cache on the warmed engine;
+            # every other routing measures the other engine.
+            target = 0 if config.router == "sticky" else 1 % len(engines)
+            status(f"{config.name}: vLLM's client measuring engine {target}")
+            measured = run_client_pass(
+                plan.repetition, engines[target].base_url, plan.model, run_dir / "client.log"
+            )
+            out.requests += _client_records(measured, 1, target, origin, on_request)
+            out.hits_from_counters = True
         out.wall_s = time.perf_counter() - t0
         out.counters = _counter_delta(engines, before)
         for e, b in zip(engines, cpu_before, strict=True):
@@ -442,6 +502,50 @@ def run_config(
         stop_engines(engines)
         server.cleanup()
     return out
+
+
+def _client_records(
+    requests: Sequence[ClientRequest],
+    round_index: int,
+    engine: int,
+    origin: float,
+    on_request: Callable[[], None],
+) -> list[RequestRecord]:
+    """A client pass as records: the request's index as its conversation, the pass
+    (0: warming, 1: measured) as its round, send times since ``origin`` (perf_counter)."""
+    out = []
+    for q in requests:
+        out.append(
+            RequestRecord(
+                q.index,
+                round_index,
+                engine,
+                q.ttft_s,
+                q.latency_s,
+                q.prompt_tokens,
+                0,
+                q.text,
+                q.error,
+                q.sent_at - origin,
+            )
+        )
+        on_request()
+    return out
+
+
+def _wait_until_redis_settles(r: Any, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
+    """Return once Redis's key count and memory stayed unchanged for ``quiet_s``: the
+    warming engine's stores, written after its requests finished, have all landed."""
+    deadline = time.monotonic() + timeout_s
+    last: tuple[int, int] | None = None
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        now = (int(r.dbsize()), int(r.info("memory")["used_memory"]))
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
 
 
 def _server_cpu_s(r: Any) -> float:
@@ -465,7 +569,7 @@ def run_fleet_bench(
     the runs and their summary."""
     from tqdm import tqdm
 
-    total = len(configs) * repeats * plan.shape.conversations * plan.shape.rounds
+    total = len(configs) * repeats * plan.requests_per_run
     bar = tqdm(total=total, unit="req", disable=not progress, file=sys.stderr)
     runs: list[ConfigRun] = []
     try:
@@ -495,6 +599,7 @@ def run_fleet_bench(
             "block_size": plan.block_size,
             "shape": asdict(plan.shape),
             "conversation_rate": plan.conversation_rate,
+            "repetition": asdict(plan.repetition) if plan.repetition else None,
             "log_dir": str(plan.log_dir),
         },
         "configs": [asdict(c) for c in configs],
@@ -623,18 +728,32 @@ def format_table(result: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    plan = result["plan"]
-    shape = plan["shape"]
     repeats = len({r["repeat"] for r in result["runs"]})
     lines.append(
-        f"\n{plan['engines']} engines, {shape['conversations']} conversations x "
-        f"{shape['rounds']} rounds, {repeats} repeats; TTFT over rounds 2-{shape['rounds']}, "
+        f"\n{workload_title(result['plan'])}, {repeats} repeats; "
         "medians over repeats [min-max]; 'busy': other requests in flight on the engine "
         "a request was sent to; 'ideal gain': share of the ideal's TTFT gain over "
         "no-connector; 'vs twin': mean TTFT against the same routing and cache without the "
         "connector; 'same out': answers equal to no-connector's"
     )
     return "\n".join(lines)
+
+
+def workload_title(plan: dict[str, Any]) -> str:
+    """One line naming a run's workload and which requests its TTFTs cover."""
+    rep = plan.get("repetition")
+    if rep:
+        return (
+            f"{plan['engines']} engines, vLLM's client (prefix_repetition: {rep['prompts']} "
+            f"prompts, {rep['prefixes']} prefixes of {rep['prefix_tokens']} + "
+            f"{rep['suffix_tokens']} tokens, {rep['concurrency']} at once) warming engine 0; "
+            "TTFT of the same prompts on engine 1 (sticky: engine 0 again)"
+        )
+    shape = plan["shape"]
+    return (
+        f"{plan['engines']} engines, {shape['conversations']} conversations x "
+        f"{shape['rounds']} rounds; TTFT over rounds 2-{shape['rounds']}"
+    )
 
 
 def account_lines(result: dict[str, Any]) -> list[str]:
@@ -696,12 +815,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4.5))
     ax.boxplot(data, whis=(5, 95), showmeans=True)
     ax.set_xticks(range(1, len(names) + 1), names, rotation=20)
-    ax.set_ylabel("TTFT (s), rounds 2+")
-    shape = result["plan"]["shape"]
-    ax.set_title(
-        f"{result['plan']['engines']} engines, {shape['conversations']} conversations x "
-        f"{shape['rounds']} rounds (whiskers p5-p95, triangle: mean)"
-    )
+    ax.set_ylabel("TTFT (s), measured requests")
+    ax.set_title(f"{workload_title(result['plan'])} (whiskers p5-p95, triangle: mean)", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -58,6 +58,41 @@ class ConversationShape:
 
 
 @dataclass(frozen=True)
+class RepetitionShape:
+    """vLLM's ``prefix_repetition`` dataset as the fleet benchmark sends it: ``prompts``
+    prompts, each one of ``prefixes`` shared prefixes plus its own suffix, in tokens."""
+
+    prompts: int = 16
+    prefixes: int = 4
+    prefix_tokens: int = 1024
+    suffix_tokens: int = 128
+    answer_tokens: int = 16
+    concurrency: int = 4  # requests in flight at most
+    seed: int = 7
+
+    # Tokens a prompt may gain when vLLM's client decodes and re-encodes it.
+    RETOKENIZE_SLACK = 16
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field out of range."""
+        for name in ("prompts", "prefixes", "prefix_tokens", "suffix_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("answer_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prompts < self.prefixes:
+            raise ValueError(
+                f"prompts ({self.prompts}) must be at least prefixes ({self.prefixes})"
+            )
+
+    @property
+    def longest_request_tokens(self) -> int:
+        """Tokens of the longest request, prompt and answer, with room for re-tokenizing."""
+        return self.prefix_tokens + self.suffix_tokens + self.answer_tokens + self.RETOKENIZE_SLACK
+
+
+@dataclass(frozen=True)
 class Turn:
     """One request: the prompt of round ``round_index`` of conversation ``conversation``."""
 
