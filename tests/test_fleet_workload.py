@@ -68,6 +68,13 @@ def test_routers() -> None:
     assert [rr.engine_for(1, r) for r in range(4)] == [1, 0, 1, 0]
     sticky = Router("sticky", 3)
     assert {sticky.engine_for(4, r) for r in range(6)} == {1}
+    # least-loaded: the fewest in flight, ties as round-robin would pick.
+    ll = Router("least-loaded", 3)
+    assert ll.engine_for(0, 1, [2, 0, 1]) == 1
+    assert ll.engine_for(0, 1, [1, 1, 1]) == 1  # a tie: round-robin's engine
+    assert ll.engine_for(2, 2, [0, 1, 0]) == 2  # tied 0 and 2: counting from (2+2)%3 = 1
+    with pytest.raises(ValueError):
+        ll.engine_for(0, 0, [0, 0])
     rnd = Router("random", 2)
     picks = [rnd.engine_for(c, r) for c in range(8) for r in range(6)]
     assert picks == [Router("random", 2).engine_for(c, r) for c in range(8) for r in range(6)]

@@ -309,6 +309,7 @@ async def _run_conversations(
     records: list[RequestRecord] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     start = time.perf_counter()
+    in_flight = [0] * len(engines)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         async def conversation(c: int) -> None:
@@ -316,8 +317,9 @@ async def _run_conversations(
                 await asyncio.sleep(c / conversation_rate)
             for r in range(shape.rounds):
                 turn = script.turn(c, r)
-                e = router.engine_for(c, r)
+                e = router.engine_for(c, r, in_flight)
                 sent = time.perf_counter() - start
+                in_flight[e] += 1
                 try:
                     ttft, lat, pt, cached, text = await _stream_completion(
                         session, engines[e].base_url, model, turn.prompt, shape.answer_tokens
@@ -327,6 +329,8 @@ async def _run_conversations(
                     records.append(
                         RequestRecord(c, r, e, math.nan, math.nan, 0, 0, "", repr(exc)[:300], sent)
                     )
+                finally:
+                    in_flight[e] -= 1
                 on_request()
 
         await asyncio.gather(*(conversation(c) for c in range(shape.conversations)))

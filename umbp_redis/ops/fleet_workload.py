@@ -129,7 +129,7 @@ class ConversationScript:
         return Turn(conversation, round_index, self._prompts[conversation][round_index])
 
 
-ROUTERS = ("round-robin", "random", "sticky")
+ROUTERS = ("round-robin", "random", "sticky", "least-loaded")
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,9 @@ class Router:
     ``round-robin``: round r of conversation c goes to engine (c + r) mod N, so every
     new turn lands on another engine than the last; ``sticky``: conversation c always
     on engine c mod N; ``random``: a seeded choice per (conversation, round), the same
-    in every configuration of a run.
+    in every configuration of a run; ``least-loaded``: the engine with the fewest
+    requests in flight, ties broken as round-robin would, so engines stay evenly loaded
+    while turns still move between them.
     """
 
     policy: str
@@ -152,12 +154,24 @@ class Router:
         if self.engines < 1:
             raise ValueError(f"engines must be at least 1, got {self.engines}")
 
-    def engine_for(self, conversation: int, round_index: int) -> int:
-        """Index of the engine that serves this request."""
+    def engine_for(self, conversation: int, round_index: int, in_flight: Sequence[int] = ()) -> int:
+        """Index of the engine that serves this request; ``in_flight`` (requests now
+        running on each engine) is read by ``least-loaded`` only."""
         if self.policy == "sticky":
             return conversation % self.engines
+        turn = (conversation + round_index) % self.engines
         if self.policy == "round-robin":
-            return (conversation + round_index) % self.engines
+            return turn
+        if self.policy == "least-loaded":
+            if len(in_flight) != self.engines:
+                raise ValueError("least-loaded routing needs the in-flight count of every engine")
+            fewest = min(in_flight)
+            # The first engine with the fewest, counting from round-robin's pick.
+            return next(
+                e
+                for e in ((turn + i) % self.engines for i in range(self.engines))
+                if in_flight[e] == fewest
+            )
         return random.Random(f"{self.seed}:{conversation}:{round_index}").randrange(self.engines)
 
 
