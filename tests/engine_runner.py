@@ -43,7 +43,7 @@ def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
         "staging_in_use": worker.staging.num_slots - worker.staging.free_slots,
         "tracked_requests": len(sched.requests),
         # Lazy store mode: blocks of finished requests pinned for the next step's store.
-        "lazy_pending": len(sched._lazy_early),
+        "lazy_pending": len(sched.lazy.early) if sched.lazy is not None else 0,
     }
 
 

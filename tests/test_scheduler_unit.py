@@ -59,6 +59,9 @@ class ScriptedDataPlane:
 
     lookup_mode = "standalone"
 
+    def warm_up(self) -> None:
+        pass
+
     def lookup_encoder(
         self, prefixes: list[bytes], *, refresh_ttl: bool, hash_hex_len: int
     ) -> LookupEncoder:
@@ -114,12 +117,17 @@ def make_scheduler(
     tp: int = 1,
     role: str = "kv_both",
     async_scheduling: bool = False,
+    kv_events: bool = False,
     **extra: Any,
 ) -> UMBPScheduler:
     # Async loads unless a test asks otherwise: most tests here are about lookups.
     extra = {"key_namespace": "unit", "load_async": True, **extra}
     cfg = make_vllm_config(model_config, tp=tp, extra=extra)
     cfg.scheduler_config.async_scheduling = async_scheduling
+    if kv_events:  # as vLLM's --kv-events-config sets it
+        from vllm.config import KVEventsConfig
+
+        cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
     ktc(cfg).kv_role = role  # type: ignore[assignment]
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
     opts = validate_options(ktc(cfg).kv_connector_extra_config)
@@ -540,7 +548,7 @@ def test_a_failing_hook_is_a_miss_not_an_exception(
     def bad_hash(request, index):  # type: ignore[no-untyped-def]
         raise RuntimeError("bug")
 
-    s2._hash_of_block = bad_hash  # type: ignore[method-assign]
+    s2.hashing = SimpleNamespace(hash_of=bad_hash)  # type: ignore[assignment]
     blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
     s2.update_state_after_alloc(req, blocks, 2 * BS)
     (batch,) = s2.build_connector_meta(_step()).loads
@@ -558,10 +566,10 @@ def test_pins_without_a_report_are_released_after_the_bound(model_config: ModelC
     assert s.pinned_blocks == 2
     s.build_connector_meta(_step())
     assert s.pinned_blocks == 2  # within the bound
-    for ev in s.pinned.values():
+    for ev in s.pins.stores.values():
         ev.pinned_at -= 2.0
     s.build_connector_meta(_step())
-    assert s.pinned_blocks == 0 and s.stale_pins_released == 1
+    assert s.pinned_blocks == 0 and s.pins.stale_released == 1
     assert all(b.ref_cnt == 0 for b in pool.blocks)
 
 
@@ -578,13 +586,13 @@ def test_workers_with_other_parallel_sizes_disable_lookups(model_config: ModelCo
 def test_blocks_whose_load_failed_are_not_offered_again_for_a_while(
     model_config: ModelConfig,
 ) -> None:
-    import time
-
     from umbp_redis.data import UMBPConnectorWorkerMetadata
-    from umbp_redis.engine import scheduler as sched_mod
+    from umbp_redis.engine.quarantine import QUARANTINE_MAX_BLOCKS
 
     plane = ScriptedDataPlane()
     s = make_scheduler(model_config, plane, load_failure_quarantine_s=0.3)
+    clock = [1000.0]
+    s.quarantine.clock = lambda: clock[0]
     req = request(4 * BS + 5)
     assert s.codec is not None
     plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
@@ -597,7 +605,7 @@ def test_blocks_whose_load_failed_are_not_offered_again_for_a_while(
     s.update_connector_output(out)  # type: ignore[arg-type]
     req2 = request(4 * BS + 5, rid="r2")
     assert s.get_num_new_matched_tokens(req2, 0) == (2 * BS, True)  # cut before block 2
-    assert s.quarantine_skips == 1
+    assert s.quarantine.skips == 1
     # Stored again by a worker (valid): offered at once.
     s.update_connector_output(
         SimpleNamespace(  # type: ignore[arg-type]
@@ -607,14 +615,14 @@ def test_blocks_whose_load_failed_are_not_offered_again_for_a_while(
     )
     assert s.get_num_new_matched_tokens(request(4 * BS + 5, rid="r2b"), 0) == (4 * BS, True)
     s.update_connector_output(out)  # type: ignore[arg-type]
-    time.sleep(0.35)
+    clock[0] += 0.35
     req3 = request(4 * BS + 5, rid="r3")
     assert s.get_num_new_matched_tokens(req3, 0) == (4 * BS, True)  # expired
     assert not s.quarantine
     # Bounded memory.
-    many = tuple(i.to_bytes(32, "big") for i in range(sched_mod.QUARANTINE_MAX_BLOCKS + 10))
-    s._quarantine_failed(many)
-    assert len(s.quarantine) == sched_mod.QUARANTINE_MAX_BLOCKS
+    many = tuple(i.to_bytes(32, "big") for i in range(QUARANTINE_MAX_BLOCKS + 10))
+    s.quarantine.add(many)
+    assert len(s.quarantine) == QUARANTINE_MAX_BLOCKS
     # 0 turns it off across requests; the request whose load failed is offered no more
     # hits all the same (vLLM asks it again after a failed load at the prompt's start:
     # the same value would fail forever).
@@ -645,9 +653,9 @@ def test_kv_events_say_stored_once_every_worker_stored_and_removed_when_deleted(
 
     from umbp_redis.data import StoreEventResult, UMBPConnectorWorkerMetadata
 
-    s = make_scheduler(model_config, ScriptedDataPlane(), tp=2)
-    assert s.kv_events is False  # off unless vLLM's --kv-events-config enables them
-    s.kv_events = True
+    # Off unless vLLM's --kv-events-config enables them.
+    assert make_scheduler(model_config, ScriptedDataPlane(), tp=2).events is None
+    s = make_scheduler(model_config, ScriptedDataPlane(), tp=2, kv_events=True)
     assert s.num_workers == 2
     req = request(3 * BS + 40)
     req.all_token_ids = list(range(1000, 1000 + 3 * BS + 40))  # type: ignore[attr-defined]
@@ -741,7 +749,8 @@ def _lazy_setup(model_config: ModelConfig, num_blocks: int, window: int, **extra
     from vllm.v1.core.block_pool import BlockPool
 
     s = make_scheduler(model_config, ScriptedDataPlane(), store_mode="lazy", **extra)
-    s.lazy_window = window
+    assert s.lazy is not None
+    s.lazy.window = window
     pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=BS)
     s.bind_block_pool(pool)
     req = request(3 * BS + 40)
@@ -758,7 +767,7 @@ def test_lazy_mode_stores_blocks_only_when_vllm_is_about_to_evict_them(
     model_config: ModelConfig,
 ) -> None:
     s, pool, req, blocks, meta = _lazy_setup(model_config, 16, window=4)
-    assert s.lazy and meta.stores == []  # nothing after the forward pass
+    assert s.lazy is not None and meta.stores == []  # nothing after the forward pass
     s.request_finished(req)  # type: ignore[arg-type]
     pool.free_blocks(reversed(blocks))  # as vLLM frees a request's blocks
     # The free queue's head holds never-used blocks: nothing near eviction is cached.
@@ -783,7 +792,7 @@ def test_lazy_mode_stores_blocks_only_when_vllm_is_about_to_evict_them(
     assert all(b.block_hash is not None for b in blocks[:3])
     pool.get_new_blocks(3)
     assert s.build_connector_meta(_step()).stores == []
-    assert s.lazy_blocks_stored == 3
+    assert s.lazy is not None and s.lazy.blocks_stored == 3
 
 
 def test_lazy_mode_pins_a_finishing_requests_blocks_when_the_free_queue_is_short(
@@ -812,9 +821,9 @@ def test_lazy_mode_skips_redis_hits_and_announces_what_it_stored(
     from vllm.v1.core.block_pool import BlockPool
 
     plane = ScriptedDataPlane()
-    s = make_scheduler(model_config, plane, store_mode="lazy")
-    s.kv_events = True
-    s.lazy_window = 64
+    s = make_scheduler(model_config, plane, store_mode="lazy", kv_events=True)
+    assert s.lazy is not None
+    s.lazy.window = 64
     pool = BlockPool(8, enable_caching=True, hash_block_size=BS)
     s.bind_block_pool(pool)
     req = request(3 * BS + 40)
@@ -1017,7 +1026,8 @@ def test_lazy_mode_on_a_hybrid_model_stores_each_groups_blocks_on_eviction(
     from vllm.v1.core.block_pool import BlockPool
 
     s = _hybrid_scheduler(model_config, ScriptedDataPlane(), store_mode="lazy")
-    s.lazy_window = 4
+    assert s.lazy is not None
+    s.lazy.window = 4
     pool = BlockPool(32, enable_caching=True, hash_block_size=BS)
     s.bind_block_pool(pool)
     req = request(6 * BS + 10)
@@ -1048,7 +1058,7 @@ def test_auto_load_mode_loads_small_hits_before_the_step_and_large_ones_async(
     block_bytes = 2 * BS * 2 * 64 * 2 * len(LAYERS)
     plane = ScriptedDataPlane()
     s = make_scheduler(model_config, plane, load_async="auto", sync_load_max_bytes=2 * block_bytes)
-    assert s.bytes_per_block == block_bytes
+    assert s.load_policy.bytes_per_block == block_bytes
     req = request(6 * BS + 10)
     assert s.codec is not None
     keys = [s.codec.key(h, 0) for h in req.block_hashes]
@@ -1065,7 +1075,7 @@ def test_auto_load_mode_loads_small_hits_before_the_step_and_large_ones_async(
     s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
     (batch,) = s.build_connector_meta(_step(sched={})).loads
     assert batch.load_async is False and batch.block_ids == (2, 3)
-    assert not s.load_pins
+    assert not s.pins.loads
     # Set explicitly, load_async holds for every size.
     for mode in (True, False):
         fixed_plane = ScriptedDataPlane()

@@ -36,6 +36,7 @@ import math
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -820,7 +821,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     ax.boxplot(data, whis=(5, 95), showmeans=True)
     ax.set_xticks(range(1, len(names) + 1), names, rotation=20)
     ax.set_ylabel("TTFT (s), measured requests")
-    ax.set_title(f"{workload_title(result['plan'])} (whiskers p5-p95, triangle: mean)", fontsize=9)
+    title = f"{workload_title(result['plan'])} (whiskers p5-p95, triangle: mean)"
+    ax.set_title(textwrap.fill(title, 20 * len(names) + 40), fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,0 +1,36 @@
+"""Whether a hit loads while its request waits (async) or in the step that computes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LoadPolicy:
+    """Chooses async or sync for each hit, from ``load_async`` and the load's size.
+
+    ``mode``: True or False forces async or sync; "auto" loads sync when the load moves
+    at most ``sync_load_max_bytes`` per worker (its wait costs less than the engine step
+    an async load keeps its request waiting), or at most ``layer_load_max_bytes`` when
+    every worker loads by layer (the forward pass waits only for the layer it is at).
+    Models whose failed sync loads vLLM cannot recompute (``sync_loads_possible``
+    False) always load async.
+    """
+
+    mode: str | bool
+    sync_load_max_bytes: int
+    layer_load_max_bytes: int
+    bytes_per_block: int  # one block's bytes on each worker, every layer and group
+    sync_loads_possible: bool
+    workers_load_by_layer: bool = False
+
+    def loads_async(self, blocks: int) -> bool:
+        """Whether a load of ``blocks`` blocks runs async."""
+        if not self.sync_loads_possible:
+            return True
+        if self.mode != "auto":
+            return bool(self.mode)
+        limit = self.sync_load_max_bytes
+        if self.workers_load_by_layer:
+            limit = max(limit, self.layer_load_max_bytes)
+        return blocks * self.bytes_per_block > limit

@@ -1,0 +1,167 @@
+"""Prefix lookups: how many of a request's prompt blocks Redis holds, in one round trip.
+
+Keys and their encoded lookup commands are built once per block hash and kept with the
+request; a lookup covers the whole prefix chain the request relies on (blocks the
+engine's own prefix cache holds included), so every request that shares a prefix
+refreshes it in Redis (TTL or LRU clock) and LRU eviction takes unshared suffixes first.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from umbp_redis.data import BlockIdentityCodec, CacheGroupPlans
+from umbp_redis.engine.quarantine import LoadQuarantine
+from umbp_redis.engine.request_state import BlockHashing, RequestState
+from umbp_redis.engine.stats import StatsRecorder
+from umbp_redis.store.deployment import DataPlane
+
+
+class PrefixLookup:
+    """Answers which prefix blocks of a request every rank's value exists for.
+
+    With ``lookup_async`` the lookup runs on a thread of its own: the first call for a
+    request state starts it and answers None (ask again), a later call with the same
+    state returns its answer. Blocks in ``quarantine`` end a hit.
+    """
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        groups: list[int],
+        group_plans: CacheGroupPlans,
+        hashing: BlockHashing,
+        quarantine: LoadQuarantine,
+        stats: StatsRecorder,
+        *,
+        refresh_ttl: bool,
+        lookup_async: bool,
+    ) -> None:
+        self.plane = plane
+        self.groups = groups
+        self.group_plans = group_plans
+        self.hashing = hashing
+        self.quarantine = quarantine
+        self.stats = stats
+        self.refresh_ttl = refresh_ttl
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="umbp-lookup") if lookup_async else None
+        )
+        self._pending: dict[str, tuple[tuple[Any, ...], Future[list[int] | None]]] = {}
+        # Per hash length: the codec and lookup mode it was built for, and the encoders.
+        self._encoders: dict[int, tuple[BlockIdentityCodec, str, Any]] = {}
+
+    def hit_blocks(
+        self, st: RequestState, num_computed_tokens: int, codec: BlockIdentityCodec
+    ) -> int | None:
+        """Blocks [0, n) of the request's prompt (its last token excluded) whose every
+        rank key exists for every group that needs them: n, or None while an async
+        lookup runs. Records what the groups that keep only some blocks lack in
+        ``st.absent`` and where the prompt left Redis's prefix in ``st.divergence``."""
+        request = st.request
+        bs = self.hashing.block_size
+        max_blocks = (request.num_prompt_tokens - 1) // bs  # the last token is computed
+        start = num_computed_tokens // bs
+        cmds = self._commands(st, codec, max_blocks)
+        n_blocks = len(cmds) // len(self.groups)
+        if n_blocks <= start:
+            return 0
+        replies_per_block = st.replies_per_block
+        count = n_blocks * replies_per_block
+        if self._pool is not None:
+            sig = (num_computed_tokens, n_blocks)
+            entry = self._pending.get(request.request_id)
+            if entry is None or entry[0] != sig:
+                n_cmds = n_blocks * len(self.groups)
+                fut = self._pool.submit(self._timed, cmds[:n_cmds], count)
+                self._pending[request.request_id] = (sig, fut)
+                return None
+            if not entry[1].done():
+                return None
+            replies = entry[1].result()
+        else:
+            replies = self._timed(cmds, count)
+        if replies is None or len(replies) != count:
+            return 0
+        now = self.quarantine.now()
+        groups = st.group_replies
+        skipped = False
+
+        def present(b: int, pos: int) -> bool:
+            nonlocal skipped
+            first, n, keys = groups[pos]
+            at = b * replies_per_block + first
+            if sum(replies[at : at + n]) != keys:
+                return False
+            if now is not None and self.quarantine.holds(self.hashing.hash_of(request, b), now):
+                skipped = True
+                return False
+            return True
+
+        plans = self.group_plans
+        if not plans.all_full:
+            st.absent = {
+                (b, pos)
+                for pos, r in enumerate(plans.groups)
+                if not r.stores_all()
+                for b in range(n_blocks)
+                if not present(b, pos)
+            }
+        st.divergence = plans.full_prefix_end(start, n_blocks, present)
+        hit = plans.longest_hit_below(start, st.divergence, present)
+        self.quarantine.skips += skipped
+        return hit
+
+    def _commands(self, st: RequestState, codec: BlockIdentityCodec, upto: int) -> list[Any]:
+        """Encoded lookup commands of blocks [0, upto) (fewer if hashes run out), built
+        incrementally: each block's commands are made once for the request's lifetime
+        (again after a namespace change or when the plane's lookup mode changes)."""
+        mode = self.plane.lookup_mode
+        if st.codec is not codec or st.lookup_mode != mode:
+            st.lookup_cmds, st.codec, st.lookup_mode = [], codec, mode
+            st.group_replies = []
+        cmds = st.lookup_cmds
+        n_groups = len(self.groups)
+        for i in range(len(cmds) // n_groups, upto):
+            h = self.hashing.hash_of(st.request, i)
+            if h is None:
+                break
+            hx = h.hex().encode()
+            enc = self._encoders.get(len(hx))
+            if enc is None or enc[0] is not codec or enc[1] != mode:
+                encoders = [
+                    self.plane.lookup_encoder(
+                        [p.encode() for p in codec.key_prefixes(g)],
+                        refresh_ttl=self.refresh_ttl,
+                        hash_hex_len=len(hx),
+                    )
+                    for g in self.groups
+                ]
+                enc = self._encoders[len(hx)] = (codec, mode, encoders)
+            cmds.extend(e.encode(hx) for e in enc[2])
+            if not st.group_replies:
+                first = 0
+                for g, e in zip(self.groups, enc[2], strict=True):
+                    st.group_replies.append((first, e.replies, len(codec.key_prefixes(g))))
+                    first += e.replies
+                st.replies_per_block = first
+        return cmds
+
+    def _timed(self, cmds: list[Any], count: int) -> list[int] | None:
+        """The data plane's lookup of ``cmds``, its time recorded as ``lookup_s``."""
+        t0 = time.perf_counter()
+        try:
+            return self.plane.lookup_blocks(cmds, count)
+        finally:
+            self.stats.observe("lookup_s", time.perf_counter() - t0)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's async lookup, if any."""
+        self._pending.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        """Stop the lookup thread (lookups in flight are cancelled)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
