@@ -548,7 +548,7 @@ def test_a_failing_hook_is_a_miss_not_an_exception(
     def bad_hash(request, index):  # type: ignore[no-untyped-def]
         raise RuntimeError("bug")
 
-    s2.hashing = SimpleNamespace(hash_of=bad_hash)  # type: ignore[assignment]
+    s2.loads.hashing = SimpleNamespace(hash_of=bad_hash, block_size=BS)  # type: ignore[assignment]
     blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
     s2.update_state_after_alloc(req, blocks, 2 * BS)
     (batch,) = s2.build_connector_meta(_step()).loads
@@ -921,7 +921,7 @@ def test_hybrid_hit_needs_every_full_block_and_the_window_before_it(
         blocks=([null] * 5 + [real, real], [real] * 7),
     )
     s.update_state_after_alloc(req, blocks, 2 * BS)  # type: ignore[arg-type]
-    (batch,) = s.pending_loads
+    (batch,) = s.loads.pending
     assert sorted(zip(batch.group_ids, batch.block_ids, strict=True)) == [
         (0, 15),
         (0, 16),
@@ -1173,4 +1173,4 @@ def test_a_failed_sync_load_takes_its_blocks_out_of_vllms_prefix_cache(
     )
     assert blocks[0].block_hash is not None  # before the load: vLLM's own, still a hit
     assert all(b.block_hash is None for b in blocks[1:5])  # loaded, or computed on them
-    assert s.sync_load_uncached == 5  # the request's blocks from the load on
+    assert s.loads.uncached_blocks == 5  # the request's blocks from the load on

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from umbp_redis.data import (
     BlockIdentityCodec,
-    BlockLoadBatch,
     CacheGroupPlans,
     RankTopology,
     RequestTracker,
@@ -37,6 +36,7 @@ from umbp_redis.data import (
 )
 from umbp_redis.engine.kv_events import StoredBlockEvents
 from umbp_redis.engine.lazy_store import LazyStorePlanner
+from umbp_redis.engine.load_planner import LoadPlanner
 from umbp_redis.engine.load_policy import LoadPolicy
 from umbp_redis.engine.lookups import PrefixLookup
 from umbp_redis.engine.pins import BlockPins
@@ -194,7 +194,6 @@ class UMBPScheduler:
             refresh_ttl=bool(options["refresh_ttl_on_lookup"]),
             lookup_async=bool(options["lookup_async"]),
         )
-        self.sync_load_uncached = 0  # blocks taken from vLLM's cache after failed sync loads
         self.num_workers = self.topology.num_rank_namespaces
         self.pins = BlockPins(self.num_workers, float(options["store_report_timeout_s"]))
         # KV cache events (only with vLLM's --kv-events-config).
@@ -238,7 +237,9 @@ class UMBPScheduler:
         # Stores of requests that ended while held, for the next step (request_finished).
         self._ended_held_stores = UMBPConnectorMetadata()
         self.requests: dict[str, RequestState] = {}
-        self.pending_loads: list[BlockLoadBatch] = []
+        self.loads = LoadPlanner(
+            self.group_plans, self.hashing, self.load_policy, self.pins, self._event_ids
+        )
 
     # -- startup ----------------------------------------------------------------------
 
@@ -341,45 +342,9 @@ class UMBPScheduler:
             return
         try:
             st = self.requests[request.request_id]
-            local = st.local_tokens
-            bs = self.block_size
-            block_ids = tuple(
-                b
-                for _, _, b in self._hit_blocks(
-                    blocks, local // bs, (local + num_external_tokens) // bs
-                )
-            )
+            self.loads.plan_failed(st, request, blocks, num_external_tokens)
         except Exception as e:
             log.error("umbp-redis: cannot report the failed load of %s: %r", request.request_id, e)
-            return
-        self.pending_loads.append(
-            BlockLoadBatch(
-                request.request_id,
-                (b"",) * len(block_ids),
-                block_ids,
-                (0,) * len(block_ids),
-                event_id=next(self._event_ids),
-                fail_all=True,
-                load_async=st.load_async,
-            )
-        )
-
-    def _hit_blocks(self, blocks: Any, first: int, last: int) -> list[tuple[int, int, int]]:
-        """(block index, group, engine block id) of the blocks a hit over blocks
-        ``[first, last)`` loads, in block order: every group's blocks its reach needs
-        (a sliding window only the blocks before ``last``), never vLLM's null block."""
-        ids = blocks.get_block_ids()
-        kv_blocks = getattr(blocks, "blocks", None)
-        needed = [(r.group_id, r.needed(last, first)) for r in self.group_plans.groups]
-        out = []
-        for i in range(first, last):
-            for g, wanted in needed:
-                if i not in wanted or i >= len(ids[g]):
-                    continue
-                if kv_blocks is not None and getattr(kv_blocks[g][i], "is_null", False):
-                    continue
-                out.append((i, g, ids[g][i]))
-        return out
 
     @_guarded(_alloc_fallback)
     def update_state_after_alloc(
@@ -387,36 +352,8 @@ class UMBPScheduler:
     ) -> None:
         """Record where the hit blocks go; the load is emitted with the next metadata."""
         st = self._state(request)
-        if num_external_tokens <= 0:
-            return
-        bs = self.block_size
-        first = st.local_tokens // bs
-        last = (st.local_tokens + num_external_tokens) // bs
-        hashes, block_ids, group_ids = [], [], []
-        for i, g, block_id in self._hit_blocks(blocks, first, last):
-            h = self.hashing.hash_of(request, i)
-            if h is None:
-                break
-            hashes.append(h)
-            block_ids.append(block_id)
-            group_ids.append(g)
-        self.pending_loads.append(
-            BlockLoadBatch(
-                request.request_id,
-                tuple(hashes),
-                tuple(block_ids),
-                tuple(group_ids),
-                event_id=next(self._event_ids),
-                load_async=st.load_async,
-            )
-        )
-        if st.load_async:
-            # Destinations stay allocated until the load is done, even if the request
-            # is aborted meanwhile and its blocks are freed.
-            self.pins.pin_load(request.request_id, block_ids)
-        else:
-            st.sync_load_from = first
-        st.tracker.num_loaded_tokens = num_external_tokens
+        if num_external_tokens > 0:
+            self.loads.plan(st, request, blocks, num_external_tokens)
 
     # -- per step ---------------------------------------------------------------------
 
@@ -428,7 +365,7 @@ class UMBPScheduler:
         """
         t0 = time.perf_counter()
         meta = UMBPConnectorMetadata()
-        meta.loads, self.pending_loads = self.pending_loads, []
+        meta.loads = self.loads.take()
         meta.step_requests = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         if (
             self.idle_wait_s > 0
@@ -555,7 +492,8 @@ class UMBPScheduler:
             if st is not None:
                 st.load_failed = True
         for rid in meta.sync_failed_requests:
-            self._uncache_failed_sync_load(rid)
+            if (st := self.requests.get(rid)) is not None:
+                self.loads.uncache_failed_sync_load(st, self.groups)
         if meta.layer_loads_off and self.load_policy.workers_load_by_layer:
             self.load_policy.workers_load_by_layer = False  # large hits load async again
             log.warning(
@@ -568,20 +506,6 @@ class UMBPScheduler:
             self.events.note_removed(meta.removed_blocks, self.groups)
         for eid, res in meta.store_results.items():
             self.pins.store_reported(eid, res.finished_workers)
-
-    def _uncache_failed_sync_load(self, rid: str) -> None:
-        """Take a request's blocks from its failed sync load on out of vLLM's prefix
-        cache. vLLM cached them, and the blocks the same step computed after them, before
-        the load ran; it rolls the request back to recompute them but keeps them cached
-        meanwhile, so a request that hit them before the recompute (or after the request
-        was aborted) would read KV that is not theirs."""
-        st = self.requests.get(rid)
-        pool = self.pins.block_pool
-        if st is None or pool is None or not st.tracker.block_ids:
-            return
-        ids = {b for g in self.groups for b in st.tracker.block_ids[g][st.sync_load_from :]}
-        pool.evict_blocks(ids)
-        self.sync_load_uncached += len(ids)
 
     def _finished_fallback(self, request: Request) -> tuple[bool, None]:
         self.requests.pop(getattr(request, "request_id", None), None)  # type: ignore[arg-type]
