@@ -36,11 +36,12 @@ from test_data_identity import make_vllm_config  # noqa: E402
 from vllm.config import ModelConfig  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from umbp_redis.engine.options import parse_connector_options  # noqa: E402
 from umbp_redis.engine.scheduler import UMBPScheduler  # noqa: E402
 from umbp_redis.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from umbp_redis.ops.tiny_model import build_tiny_llama  # noqa: E402
 from umbp_redis.store.plane import RedisDataPlane, _expire_cmd  # noqa: E402
-from umbp_redis.store.settings import RedisSettings, validate_options  # noqa: E402
+from umbp_redis.store.settings import RedisSettings  # noqa: E402
 
 BLOCKS = 8000
 BS = 16
@@ -115,7 +116,7 @@ def measure(
     # key layout (8 rank keys a block) matters here.
     cfg.parallel_config.tensor_parallel_size = tp
     plane = RedisDataPlane(RedisSettings.from_url(srv.url, lookup_timeout_s=30.0))
-    s = UMBPScheduler(cfg, kv, validate_options(extra), plane=plane)
+    s = UMBPScheduler(cfg, kv, *parse_connector_options(extra), plane=plane)
     assert s.codec is not None
     r = redis.Redis(port=srv.port)
     pipe = r.pipeline(transaction=False)

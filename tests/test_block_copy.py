@@ -39,9 +39,9 @@ from umbp_redis.engine.copy.torch_copy import (
     TorchBlockCopier,
     consecutive_sequences,
 )
+from umbp_redis.engine.options import EngineOptions, parse_connector_options
 from umbp_redis.engine.staging import StagingPool, staging_budget
 from umbp_redis.store.errors import ConfigError
-from umbp_redis.store.settings import validate_options
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "umbp_redis" / "engine" / "copy"
@@ -310,8 +310,8 @@ def test_backend_selection_on_cpu() -> None:
     with pytest.raises(ConfigError, match="copy_backend"):
         make_block_copier("cuda", caches, templates, pool, 7)
     with pytest.raises(ConfigError, match=r"copy_backend.*one of \['auto', 'cupy', 'torch'\]"):
-        validate_options({"copy_backend": "fast"})
-    assert validate_options({})["copy_backend"] == "auto"
+        parse_connector_options({"copy_backend": "fast"})
+    assert EngineOptions().copy_backend == "auto"
 
 
 def test_gpu_copier_without_cupy_is_unavailable_not_an_import_error(

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from umbp_redis.store.settings import OPTIONS_BY_NAME, RedisSettings
+from umbp_redis.engine.options import CONNECTOR_OPTIONS
+from umbp_redis.store.settings import RedisSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +65,7 @@ def test_vllm_services_use_the_connector_with_real_options() -> None:
         assert kv["kv_connector_module_path"] == "umbp_redis.connector"
         assert kv["kv_role"] == "kv_both" and kv["kv_load_failure_policy"] == "recompute"
         extra = kv["kv_connector_extra_config"]
-        assert set(extra) <= set(OPTIONS_BY_NAME)
+        assert set(extra) <= {o.name for o in CONNECTOR_OPTIONS}
         settings = RedisSettings.from_options(extra)
         assert (settings.host, settings.port) == ("redis", 6379)
         # vLLM logs this config: the password travels in the environment instead.

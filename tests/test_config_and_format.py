@@ -7,9 +7,14 @@ from typing import Any
 
 import pytest
 
+from umbp_redis.engine.options import (
+    CONNECTOR_OPTIONS,
+    ENGINE_OPTIONS,
+    EngineOptions,
+    parse_connector_options,
+)
 from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.settings import (
-    OPTIONS,
     RedisSettings,
     transfer_connection_count,
     validate_options,
@@ -135,9 +140,26 @@ def test_transfer_connections_auto_takes_one_below_four_cpus() -> None:
 
 
 def test_every_option_has_a_default_and_doc() -> None:
-    opts = validate_options({})
-    assert set(opts) == {o.name for o in OPTIONS}
-    assert all(o.doc for o in OPTIONS)
+    opts = validate_options({}, allowed=CONNECTOR_OPTIONS)
+    assert set(opts) == {o.name for o in CONNECTOR_OPTIONS}
+    assert all(o.doc for o in CONNECTOR_OPTIONS)
+    assert set(EngineOptions.__dataclass_fields__) == {o.name for o in ENGINE_OPTIONS}
+
+
+def test_options_take_true_and_false_as_words_and_both_halves_parse_once() -> None:
+    settings, engine = parse_connector_options(
+        {"checksum": "false", "cluster": "False", "load_async": "true", "lookup_async": "TRUE"}
+    )
+    assert settings.checksum is False and settings.cluster == "off"
+    assert engine.load_async is True and engine.lookup_async is True
+    assert parse_connector_options({"cluster": True})[0].cluster == "on"
+    with pytest.raises(ConfigError, match=r"\['cluster'\] must be one of"):
+        parse_connector_options({"cluster": "on"})
+    with pytest.raises(ConfigError, match=r"\['load_by_layer'\] must be bool"):
+        parse_connector_options({"load_by_layer": "yes"})
+    # Unknown keys are refused by name, whichever half they look like.
+    with pytest.raises(ConfigError, match=r"unknown .*\['sync_load_max_byte'\]"):
+        parse_connector_options({"sync_load_max_byte": 1})
 
 
 @pytest.mark.parametrize("n", [64 << 10, 512 << 10, 2 << 20, 1 << 30])

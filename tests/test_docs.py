@@ -5,14 +5,14 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from umbp_redis.store.settings import OPTIONS
+from umbp_redis.engine.options import CONNECTOR_OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_configuration_doc_lists_every_option_with_its_default() -> None:
     text = (ROOT / "docs" / "configuration.md").read_text()
-    for opt in OPTIONS:
+    for opt in CONNECTOR_OPTIONS:
         row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{opt.name}` |")), None)
         assert row is not None, f"{opt.name} is not documented"
         if opt.default is not None:

@@ -21,11 +21,11 @@ from umbp_redis.data import (
     UMBPConnectorWorkerMetadata,
     UMBPHandshakeMetadata,
 )
+from umbp_redis.engine.options import EngineOptions, parse_connector_options
 from umbp_redis.engine.scheduler import UMBPScheduler
 from umbp_redis.store.cluster import ClusterLookupEncoder
 from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.plane import LookupEncoder
-from umbp_redis.store.settings import validate_options
 from umbp_redis.store.slots import key_slot
 
 BS = 128
@@ -130,8 +130,8 @@ def make_scheduler(
         cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
     ktc(cfg).kv_role = role  # type: ignore[assignment]
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
-    opts = validate_options(ktc(cfg).kv_connector_extra_config)
-    return UMBPScheduler(cfg, kv, opts, plane=plane)  # type: ignore[arg-type]
+    options = parse_connector_options(ktc(cfg).kv_connector_extra_config)
+    return UMBPScheduler(cfg, kv, *options, plane=plane)  # type: ignore[arg-type]
 
 
 def request(n_tokens: int, rid: str = "r1") -> FakeRequest:
@@ -171,12 +171,14 @@ def test_lookup_error_is_zero_hits(model_config: ModelConfig) -> None:
     assert s.get_num_new_matched_tokens(request(600), 0) == (0, False)
 
 
-def test_store_only_and_producer_never_look_up(model_config: ModelConfig) -> None:
-    for kw in ({"enable_lookup": False}, {"role": "kv_producer"}):
-        plane = ScriptedDataPlane()
-        s = make_scheduler(model_config, plane, **kw)  # type: ignore[arg-type]
-        assert s.get_num_new_matched_tokens(request(600), 0) == (0, False)
-        assert plane.calls == []
+def test_a_producer_never_looks_up(model_config: ModelConfig) -> None:
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, role="kv_producer")
+    assert s.get_num_new_matched_tokens(request(600), 0) == (0, False)
+    assert plane.calls == []
+    # The option that once did the same names kv_role instead.
+    with pytest.raises(ConfigError, match=r"enable_lookup.*kv_role.*kv_producer"):
+        parse_connector_options({"enable_lookup": False})
 
 
 def test_tp2_block_needs_every_rank_key(model_config: ModelConfig) -> None:
@@ -195,7 +197,7 @@ def test_derived_namespace_waits_for_the_workers(model_config: ModelConfig) -> N
     cfg = make_vllm_config(model_config)
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
     plane = ScriptedDataPlane()
-    s = UMBPScheduler(cfg, kv, validate_options({}), plane=plane)  # type: ignore[arg-type]
+    s = UMBPScheduler(cfg, kv, *parse_connector_options({}), plane=plane)  # type: ignore[arg-type]
     assert s.get_num_new_matched_tokens(request(600), 0) == (0, False) and not plane.calls
     s.adopt_handshake({(0, 0): UMBPHandshakeMetadata("abc123", RankTopology())})
     assert s.codec is not None and s.codec.namespace == "abc123"
@@ -510,7 +512,7 @@ def test_fail_policy_is_overridden_with_a_warning(
     cfg = make_vllm_config(model_config, extra={"key_namespace": "unit"})
     assert ktc(cfg).kv_load_failure_policy == "fail"  # vLLM's default
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
-    UMBPScheduler(cfg, kv, validate_options({}), plane=ScriptedDataPlane())  # type: ignore[arg-type]
+    UMBPScheduler(cfg, kv, *parse_connector_options({}), plane=ScriptedDataPlane())  # type: ignore[arg-type]
     assert ktc(cfg).kv_load_failure_policy == "recompute"
     assert any(
         "kv_load_failure_policy" in r.getMessage() and r.levelname == "WARNING"
@@ -524,7 +526,7 @@ def test_weak_block_hash_is_warned_about(
     cfg = make_vllm_config(model_config, extra={"key_namespace": "unit"})
     cfg.cache_config.prefix_caching_hash_algo = "xxhash"
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
-    UMBPScheduler(cfg, kv, validate_options({}), plane=ScriptedDataPlane())  # type: ignore[arg-type]
+    UMBPScheduler(cfg, kv, *parse_connector_options({}), plane=ScriptedDataPlane())  # type: ignore[arg-type]
     assert any("not collision resistant" in r.getMessage() for r in caplog.records)
 
 
@@ -854,9 +856,9 @@ def test_lazy_mode_skips_redis_hits_and_announces_what_it_stored(
 def test_eager_mode_is_the_default_and_store_mode_is_checked(model_config: ModelConfig) -> None:
     from umbp_redis.store.errors import ConfigError
 
-    assert validate_options({})["store_mode"] == "eager"
+    assert EngineOptions().store_mode == "eager"
     with pytest.raises(ConfigError, match="store_mode"):
-        validate_options({"store_mode": "later"})
+        parse_connector_options({"store_mode": "later"})
 
 
 def _hybrid_scheduler(
@@ -887,8 +889,8 @@ def _hybrid_scheduler(
         ],
     )
     cfg = make_vllm_config(model_config, extra={"key_namespace": "unit", **extra})
-    opts = validate_options(ktc(cfg).kv_connector_extra_config)
-    return UMBPScheduler(cfg, kv, opts, plane=plane)  # type: ignore[arg-type]
+    options = parse_connector_options(ktc(cfg).kv_connector_extra_config)
+    return UMBPScheduler(cfg, kv, *options, plane=plane)  # type: ignore[arg-type]
 
 
 def test_hybrid_hit_needs_every_full_block_and_the_window_before_it(

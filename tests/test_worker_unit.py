@@ -18,13 +18,13 @@ from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from umbp_redis.data import BlockLoadBatch, BlockStoreBatch, UMBPConnectorMetadata
+from umbp_redis.engine.options import parse_connector_options
 from umbp_redis.engine.worker import UMBPWorker
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.store.cluster import ClusterDataPlane
 from umbp_redis.store.deployment import open_plane
 from umbp_redis.store.errors import ConfigError
-from umbp_redis.store.settings import RedisSettings, validate_options
 
 NB = 16
 H1, H2, H3, H4 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32, b"\x04" * 32
@@ -42,10 +42,8 @@ def make_worker(  # type: ignore[no-untyped-def]
     kv, caches = vllm_layout_caches(
         KVCacheLayout.LBHNC, num_blocks=NB, spec=attn_spec(block_size=128, heads=heads)
     )
-    opts = validate_options(ktc(cfg).kv_connector_extra_config)
-    w = UMBPWorker(
-        cfg, kv, opts, plane=open_plane(RedisSettings.from_options(opts)), ranks=(0, 0, 0)
-    )
+    settings, opts = parse_connector_options(ktc(cfg).kv_connector_extra_config)
+    w = UMBPWorker(cfg, kv, settings, opts, plane=open_plane(settings), ranks=(0, 0, 0))
     w.register_kv_caches(caches)
     return w, caches
 

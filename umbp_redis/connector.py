@@ -22,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from umbp_redis.data import UMBPConnectorMetadata
+from umbp_redis.engine.options import parse_connector_options
 from umbp_redis.engine.stats import UMBPConnectorStats
-from umbp_redis.store.settings import validate_options
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,17 +53,19 @@ class UMBPRedisConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        options = validate_options(self._kv_transfer_config.kv_connector_extra_config)
+        settings, options = parse_connector_options(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from umbp_redis.engine.scheduler import UMBPScheduler
 
-            self._scheduler = UMBPScheduler(vllm_config, kv_cache_config, options)
+            self._scheduler = UMBPScheduler(vllm_config, kv_cache_config, settings, options)
         else:
             from umbp_redis.engine.worker import UMBPWorker
 
-            self._worker = UMBPWorker(vllm_config, kv_cache_config, options)
+            self._worker = UMBPWorker(vllm_config, kv_cache_config, settings, options)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -39,6 +39,7 @@ from umbp_redis.engine.lazy_store import LazyStorePlanner
 from umbp_redis.engine.load_planner import LoadPlanner
 from umbp_redis.engine.load_policy import LoadPolicy
 from umbp_redis.engine.lookups import PrefixLookup
+from umbp_redis.engine.options import EngineOptions
 from umbp_redis.engine.pins import BlockPins
 from umbp_redis.engine.quarantine import LoadQuarantine
 from umbp_redis.engine.request_state import BlockHashing, RequestState
@@ -127,7 +128,8 @@ class UMBPScheduler:
         self,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
-        options: dict[str, Any],
+        settings: RedisSettings,
+        options: EngineOptions,
         *,
         plane: DataPlane | None = None,
     ) -> None:
@@ -138,7 +140,7 @@ class UMBPScheduler:
         check_engine_config(vllm_config)
         ktc = vllm_config.kv_transfer_config
         role = ktc.kv_role if ktc else "kv_both"
-        self.can_load = role in ("kv_consumer", "kv_both") and options["enable_lookup"]
+        self.can_load = role in ("kv_consumer", "kv_both")
         self.can_store = role in ("kv_producer", "kv_both")
         self.topology = RankTopology.from_vllm_config(vllm_config)
         groups = kv_cache_config.kv_cache_groups
@@ -157,22 +159,22 @@ class UMBPScheduler:
         # A failed sync load can only be reported as block ids: see
         # block_failures_reportable (models with several cache groups load async).
         self.load_policy = LoadPolicy(
-            mode=options["load_async"],
-            sync_load_max_bytes=int(options["sync_load_max_bytes"]),
-            layer_load_max_bytes=int(options["layer_load_max_bytes"]),
+            mode=options.load_async,
+            sync_load_max_bytes=options.sync_load_max_bytes,
+            layer_load_max_bytes=options.layer_load_max_bytes,
             bytes_per_block=sum(
                 int(groups[g].kv_cache_spec.page_size_bytes) * len(groups[g].layer_names)
                 for g in self.groups
             ),
             sync_loads_possible=block_failures_reportable(kv_cache_config),
         )
-        if options["load_async"] is False and not self.load_policy.sync_loads_possible:
+        if options.load_async is False and not self.load_policy.sync_loads_possible:
             log.warning(
                 "umbp-redis: load_async=false is ignored: this model has %d KV cache groups "
                 "and vLLM can recompute a failed load of such a model only if it was async",
                 len(groups),
             )
-        self.idle_wait_s = float(options["idle_wait_ms"]) / 1e3
+        self.idle_wait_s = options.idle_wait_ms / 1e3
         self.idle_waits = 0  # idle steps that waited for loads in flight
         self.replicated = tp_replicated_group_ids(kv_cache_config, self.topology)
         configured = UMBPNamespace.configured(vllm_config)
@@ -181,9 +183,9 @@ class UMBPScheduler:
             if configured
             else None
         )
-        self.plane: DataPlane = plane or shared_plane(RedisSettings.from_options(options))
+        self.plane: DataPlane = plane or shared_plane(settings)
         self.plane.warm_up()  # the lookup connection is made now, off the scheduler thread
-        self.quarantine = LoadQuarantine(float(options["load_failure_quarantine_s"]))
+        self.quarantine = LoadQuarantine(options.load_failure_quarantine_s)
         self.lookups = PrefixLookup(
             self.plane,
             self.groups,
@@ -191,11 +193,11 @@ class UMBPScheduler:
             self.hashing,
             self.quarantine,
             self.stats,
-            refresh_ttl=bool(options["refresh_ttl_on_lookup"]),
-            lookup_async=bool(options["lookup_async"]),
+            refresh_ttl=settings.refresh_ttl_on_lookup,
+            lookup_async=options.lookup_async,
         )
         self.num_workers = self.topology.num_rank_namespaces
-        self.pins = BlockPins(self.num_workers, float(options["store_report_timeout_s"]))
+        self.pins = BlockPins(self.num_workers, options.store_report_timeout_s)
         # KV cache events (only with vLLM's --kv-events-config).
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.events = (
@@ -213,7 +215,7 @@ class UMBPScheduler:
                 int(getattr(sched_cfg, "max_num_seqs", 0) or 256),
                 with_events=self.events is not None,
             )
-            if options["store_mode"] == "lazy"
+            if options.store_mode == "lazy"
             else None
         )
         self._event_ids = itertools.count(1)
@@ -223,7 +225,7 @@ class UMBPScheduler:
             self.hashing,
             self.pins,
             self._event_ids,
-            save_decode=bool(options["save_decode_cache"]),
+            save_decode=options.save_decode_cache,
             events=self.events,
             lazy=self.lazy,
         )

@@ -45,6 +45,7 @@ from umbp_redis.engine.copy.factory import make_block_copier
 from umbp_redis.engine.copy.interface import BlockCopier, CopyHandle
 from umbp_redis.engine.layer_gate import LayerGate
 from umbp_redis.engine.load_scatter import ScatterAsLoaded
+from umbp_redis.engine.options import EngineOptions
 from umbp_redis.engine.staging import StagingPool, staging_budget
 from umbp_redis.engine.stats import CLUSTER_COUNTERS, NODE_FAILURES_PREFIX, StatsRecorder
 from umbp_redis.engine.weights import weights_fingerprint
@@ -202,7 +203,8 @@ class UMBPWorker:
         self,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
-        options: dict[str, Any],
+        settings: RedisSettings,
+        options: EngineOptions,
         *,
         plane: DataPlane | None = None,
         ranks: tuple[int, int, int] | None = None,
@@ -218,9 +220,7 @@ class UMBPWorker:
         )
         weights = None
         if UMBPNamespace.configured(vllm_config) is None:
-            weights = weights_fingerprint(
-                vllm_config.model_config, str(options["weights_fingerprint"])
-            )
+            weights = weights_fingerprint(vllm_config.model_config, options.weights_fingerprint)
         self.namespace = UMBPNamespace.resolve(vllm_config, kv_cache_config, weights)
         self.codec = BlockIdentityCodec(
             self.namespace.value,
@@ -228,15 +228,15 @@ class UMBPWorker:
             tp_replicated_group_ids(kv_cache_config, self.topology),
         )
         self.planner = KVLayoutPlanner(kv_cache_config)
-        self.plane: DataPlane = plane or shared_plane(RedisSettings.from_options(options))
+        self.plane: DataPlane = plane or shared_plane(settings)
         self.stats = WorkerStats()
         self._seen_counters: dict[str, int] = {}
         # Free to leave the forward pass's cores where vLLM binds them (transfer_cpus).
-        pin = thread_pinner(str(options["transfer_cpus"]))
+        pin = thread_pinner(settings.transfer_cpus)
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load", initializer=pin)
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store", initializer=pin)
         # Sync loads run alongside the forward pass, a part of every block at a time.
-        self.load_by_layer = bool(options["load_by_layer"])
+        self.load_by_layer = options.load_by_layer
         self._layer_loads = ThreadPoolExecutor(4, thread_name_prefix="umbp-layers", initializer=pin)
         self._step_gates: list[tuple[LayerGate, Any, BlockLoadBatch]] = []
         self._layer_part: dict[str, tuple[int, int]] = {}  # layer -> (group, part)
@@ -285,8 +285,8 @@ class UMBPWorker:
         # host copies would hold up the receiving thread, measured no faster, so they
         # run after the batch. True or False forces either (benchmarks).
         self.scatter_as_loaded: bool | None = None
-        self.sync_load_timeout_s = float(options["sync_load_timeout_s"])
-        self.load_switch_interval_ms = float(options["gil_switch_interval_ms"])
+        self.sync_load_timeout_s = options.sync_load_timeout_s
+        self.load_switch_interval_ms = options.gil_switch_interval_ms
         self.staging: StagingPool | None = None
         log.info(
             "umbp-redis worker %s: key namespace %s (%s)",
@@ -302,7 +302,7 @@ class UMBPWorker:
         self.bases = self.planner.register_kv_caches(kv_caches)
         slot = max(lay.object_size for lay in self.planner.layouts.values())
         pin = any(t.is_cuda for t in kv_caches.values())
-        max_bytes = int(self.options["max_staging_bytes"])
+        max_bytes = self.options.max_staging_bytes
         budget = staging_budget(max_bytes, pinned=pin)
         if budget != max_bytes:
             log.info(
@@ -321,7 +321,7 @@ class UMBPWorker:
         self.staging = StagingPool(slot, budget, pin_memory=pin)
         templates = {g: self.planner.range_template(g, self.bases) for g in self.planner.layouts}
         self.copier = make_block_copier(
-            str(self.options["copy_backend"]),
+            self.options.copy_backend,
             kv_caches,
             templates,
             self.staging,
@@ -949,7 +949,7 @@ class UMBPWorker:
         with self._lock:
             futs = list(self._futures)
         if futs:
-            wait(futs, timeout=float(self.options["shutdown_timeout_s"]))
+            wait(futs, timeout=self.options.shutdown_timeout_s)
         self._loads.shutdown(wait=False, cancel_futures=True)
         self._layer_loads.shutdown(wait=False, cancel_futures=True)
         self._stores.shutdown(wait=False, cancel_futures=True)

@@ -1,8 +1,11 @@
-"""Options of ``kv_connector_extra_config``: one table, validated at startup.
+"""The store's options of ``kv_connector_extra_config`` and how options are validated.
 
-Every option has a type, a default and a one-line description; ``docs/configuration.md``
-is checked against this table by the tests. An unknown key or a wrong type raises
-``ConfigError`` naming the key and what was expected.
+Every option has a type, a default and a one-line description; this module's table
+holds the options of reaching and using Redis (parsed into ``RedisSettings``), the
+engine's table (``umbp_redis.engine.options``) the rest. ``docs/configuration.md`` is
+checked against both by the tests. An unknown key or a wrong type raises ``ConfigError``
+naming the key and what was expected. Options that take true or false also take the
+strings "true" and "false".
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class Option:
 
 MiB = 1 << 20
 
-OPTIONS: tuple[Option, ...] = (
+REDIS_OPTIONS: tuple[Option, ...] = (
     Option(
         "redis_url",
         (str, type(None)),
@@ -136,7 +139,7 @@ OPTIONS: tuple[Option, ...] = (
         "Whether redis_url names a Redis Cluster node: auto (ask the server with INFO "
         "cluster at startup), true or false. On a cluster keys spread over every master "
         "and the database must be 0.",
-        choices=("auto", True, False, "true", "false"),
+        choices=("auto", True, False),
     ),
     Option(
         "cluster_seed_nodes",
@@ -154,110 +157,6 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0.1,
     ),
     Option(
-        "key_namespace",
-        (str, type(None)),
-        None,
-        "Explicit key namespace; when unset it is derived from the model and cache layout.",
-    ),
-    Option(
-        "weights_fingerprint",
-        str,
-        "sampled",
-        "How the derived namespace covers the weights: sampled (names, sizes and 16 "
-        "sampled 64 KiB windows of each weight file; the hub commit for hub models), full "
-        "(every byte: slow for large models) or off (path, revision and config only).",
-        choices=("sampled", "full", "off"),
-    ),
-    Option(
-        "enable_lookup",
-        bool,
-        True,
-        "Look prompts up in Redis and load hits; false makes the engine store-only.",
-    ),
-    Option(
-        "lookup_async",
-        bool,
-        False,
-        "Run lookups off the scheduler thread; the request is asked about again until the "
-        "answer is in.",
-    ),
-    Option(
-        "load_async",
-        (str, bool),
-        "auto",
-        "true: load hits off the forward pass (the request waits for its load); false: "
-        "load them before the step's forward pass; auto: false for loads of at most "
-        "sync_load_max_bytes, true for larger ones. Models with several KV cache groups "
-        "(hybrid) always load async.",
-        choices=("auto", True, False),
-    ),
-    Option(
-        "sync_load_max_bytes",
-        int,
-        8 * MiB,
-        "With load_async auto: the largest load (bytes per worker) that runs before the "
-        "step instead of making its request wait a step or more.",
-        minimum=0,
-    ),
-    Option(
-        "layer_load_max_bytes",
-        int,
-        128 * MiB,
-        "With load_async auto, where every worker loads by layer (load_by_layer, CPU "
-        "engines): the largest load (bytes per worker) that runs by layer in the step "
-        "that computes its request instead of making it wait a step or more. Keep its "
-        "load time well inside sync_load_timeout_s.",
-        minimum=0,
-    ),
-    Option(
-        "sync_load_timeout_s",
-        (int, float),
-        0.5,
-        "The longest a sync load may hold up the engine's step (removing invalid "
-        "values it found included); blocks not loaded by then are recomputed (an async "
-        "load waits op_timeout_s per round trip instead, without holding up the step).",
-        minimum=0.001,
-    ),
-    Option(
-        "load_by_layer",
-        bool,
-        True,
-        "Run a sync load alongside the step's forward pass, a part (a few layers) of "
-        "every block at a time: each attention layer waits only until its own layers' "
-        "bytes are in (values stored in parts, see docs/architecture.md). Values are "
-        "still validated whole; a step whose sync load failed has its output for that "
-        "request discarded by vLLM and stores nothing. false: the whole load runs before "
-        "the forward pass.",
-    ),
-    Option(
-        "save_decode_cache",
-        bool,
-        False,
-        "Also store blocks completed by generated tokens, not only prompt blocks.",
-    ),
-    Option(
-        "gil_switch_interval_ms",
-        (int, float),
-        0.2,
-        "Python's thread switch interval (sys.setswitchinterval) the worker sets in its "
-        "process while loads are in flight, when it is longer (the setting it found is "
-        "restored when none is): vLLM's engine loop runs Python without pause while a "
-        "request waits for its load, and with Python's default of 5 ms each resumption of "
-        "a transfer thread after a socket read can wait that long (measured side by side on "
-        "CPU: loads 0.03 against 1.04 GB/s). 0 leaves Python's setting alone.",
-        minimum=0.0,
-    ),
-    Option(
-        "idle_wait_ms",
-        (int, float),
-        1.0,
-        "When a step schedules no tokens while loads are in flight, the scheduler waits "
-        "this long before handing the step back, so vLLM's engine loop does not spin and "
-        "take the CPU and Python's GIL from the transfers it waits for (at most this "
-        "long per idle step; 0: no wait).",
-        minimum=0.0,
-    ),
-    Option(
         "transfer_cpus",
         str,
         "auto",
@@ -269,60 +168,8 @@ OPTIONS: tuple[Option, ...] = (
         "kernel runs transfers wherever a core is idle; no change without a binding; "
         "inherit: no change; or a list such as 0,2-3 (pinned there).",
     ),
-    Option(
-        "store_mode",
-        str,
-        "eager",
-        "When blocks are written to Redis: eager (each complete prompt block right after "
-        "the step that computed it) or lazy (only when vLLM is about to evict it from its "
-        "own prefix cache: blocks near the head of vLLM's free queue are pinned until "
-        "stored, so blocks vLLM never evicts cost no Redis bandwidth).",
-        choices=("eager", "lazy"),
-    ),
-    Option(
-        "max_staging_bytes",
-        int,
-        256 * MiB,
-        "Host staging memory per worker; stores that do not fit are dropped and counted. "
-        "Pinned (GPU) staging uses the largest power of two not above it. Startup fails "
-        "when it holds less than one object (the error gives the object size).",
-        minimum=1,
-    ),
-    Option(
-        "copy_backend",
-        str,
-        "auto",
-        "How blocks move between the KV cache and staging: auto (the CuPy kernel for CUDA "
-        "tensors when CuPy is installed, else torch copies), cupy (the kernel; startup fails "
-        "where it cannot run) or torch (torch copies, the CPU path).",
-        choices=("auto", "cupy", "torch"),
-    ),
-    Option(
-        "load_failure_quarantine_s",
-        (int, float),
-        300.0,
-        "A block whose load failed (invalid value, error reply) is not offered as a hit "
-        "again for this long, so one bad object does not cost a failed load per request "
-        "(0: no quarantine). At most 65536 blocks are remembered.",
-        minimum=0.0,
-    ),
-    Option(
-        "store_report_timeout_s",
-        (int, float),
-        120.0,
-        "Blocks pinned for a store whose worker report never arrives are released after "
-        "this long (counted and logged).",
-        minimum=1.0,
-    ),
-    Option(
-        "shutdown_timeout_s",
-        (int, float),
-        5.0,
-        "How long shutdown waits for in-flight transfers.",
-        minimum=0.0,
-    ),
 )
-OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+OPTIONS_BY_NAME = {o.name: o for o in REDIS_OPTIONS}
 
 
 def _type_name(t: type | tuple[type, ...]) -> str:
@@ -330,14 +177,23 @@ def _type_name(t: type | tuple[type, ...]) -> str:
     return " or ".join("null" if x is type(None) else x.__name__ for x in ts)
 
 
+# The words a boolean option takes besides true and false themselves.
+BOOL_WORDS = {"true": True, "false": False}
+
+
 def validate_options(
-    extra: Mapping[str, Any] | None, *, allowed: tuple[Option, ...] = OPTIONS
+    extra: Mapping[str, Any] | None,
+    *,
+    allowed: tuple[Option, ...] = REDIS_OPTIONS,
+    ignore_unknown: bool = False,
 ) -> dict[str, Any]:
-    """Every option with its value (given or default); raises ``ConfigError`` on a bad key."""
+    """Every option of ``allowed`` with its value (given or default, "true"/"false"
+    read as booleans where the option takes one); raises ``ConfigError`` naming the key
+    on a bad value, and on a key not in ``allowed`` unless ``ignore_unknown``."""
     extra = dict(extra or {})
     by_name = {o.name: o for o in allowed}
     unknown = sorted(set(extra) - set(by_name))
-    if unknown:
+    if unknown and not ignore_unknown:
         raise ConfigError(
             f"unknown kv_connector_extra_config key(s) {unknown}; valid keys are {sorted(by_name)}"
         )
@@ -345,6 +201,8 @@ def validate_options(
     for opt in allowed:
         value = extra.get(opt.name, opt.default)
         types = opt.type if isinstance(opt.type, tuple) else (opt.type,)
+        if bool in types and isinstance(value, str) and value.lower() in BOOL_WORDS:
+            value = BOOL_WORDS[value.lower()]
         ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
         if not ok:
             raise ConfigError(
@@ -436,13 +294,14 @@ class RedisSettings:
 
     @classmethod
     def from_options(cls, extra: Mapping[str, Any] | None) -> RedisSettings:
-        """Parse and validate ``kv_connector_extra_config`` (unknown keys are an error).
+        """Parse and validate the store's options of ``kv_connector_extra_config``
+        (other keys are left to the engine's options, which reject unknown ones).
 
         ``redis_url`` falls back to ``$UMBP_REDIS_URL``, then ``DEFAULT_URL``; the
         password comes from ``password``, the URL, ``password_file``, then
         ``$UMBP_REDIS_PASSWORD``, in that order.
         """
-        opts = validate_options(extra)
+        opts = validate_options(extra, ignore_unknown=True)
         url = opts["redis_url"] or os.environ.get("UMBP_REDIS_URL") or DEFAULT_URL
         parsed = parse_redis_url(url)
         username = opts["username"] or parsed.username
@@ -454,9 +313,7 @@ class RedisSettings:
         names = {f.name for f in dataclasses.fields(cls)}
         special = ("username", "password", "cluster", "cluster_seed_nodes")
         rest = {k: v for k, v in opts.items() if k in names and k not in special}
-        cluster = {True: "on", "true": "on", False: "off", "false": "off"}.get(
-            opts["cluster"], "auto"
-        )
+        cluster = {True: "on", False: "off"}.get(opts["cluster"], "auto")
         seeds = parse_seed_nodes(opts["cluster_seed_nodes"])
         validate_transfer_cpus(opts["transfer_cpus"])
         rest["transfer_connections"] = transfer_connection_count(opts["transfer_connections"])

@@ -20,11 +20,11 @@ import logging
 from typing import Protocol
 
 from umbp_redis.data import StagingCopyPlan
-from umbp_redis.store.settings import OPTIONS_BY_NAME
+from umbp_redis.engine.options import ENGINE_OPTIONS_BY_NAME
 
 log = logging.getLogger(__name__)
 
-COPY_BACKENDS: tuple[str, ...] = OPTIONS_BY_NAME["copy_backend"].choices or ()
+COPY_BACKENDS: tuple[str, ...] = ENGINE_OPTIONS_BY_NAME["copy_backend"].choices or ()
 
 
 class CopyBackendUnavailable(RuntimeError):

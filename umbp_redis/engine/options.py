@@ -1,0 +1,236 @@
+"""The engine's options: one typed, frozen ``EngineOptions`` beside the store's
+``RedisSettings``, both parsed once from ``kv_connector_extra_config``
+(``parse_connector_options``).
+
+The table below is the engine's half of the option surface (the store's is in
+``umbp_redis.store.settings``); ``docs/configuration.md`` is generated from both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from umbp_redis.store.errors import ConfigError
+from umbp_redis.store.settings import (
+    REDIS_OPTIONS,
+    MiB,
+    Option,
+    RedisSettings,
+    validate_options,
+)
+
+ENGINE_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "key_namespace",
+        (str, type(None)),
+        None,
+        "Explicit key namespace; when unset it is derived from the model and cache layout.",
+    ),
+    Option(
+        "weights_fingerprint",
+        str,
+        "sampled",
+        "How the derived namespace covers the weights: sampled (names, sizes and 16 "
+        "sampled 64 KiB windows of each weight file; the hub commit for hub models), full "
+        "(every byte: slow for large models) or off (path, revision and config only).",
+        choices=("sampled", "full", "off"),
+    ),
+    Option(
+        "lookup_async",
+        bool,
+        False,
+        "Run lookups off the scheduler thread; the request is asked about again until the "
+        "answer is in.",
+    ),
+    Option(
+        "load_async",
+        (str, bool),
+        "auto",
+        "true: load hits off the forward pass (the request waits for its load); false: "
+        "load them before the step's forward pass; auto: false for loads of at most "
+        "sync_load_max_bytes, true for larger ones. Models with several KV cache groups "
+        "(hybrid) always load async.",
+        choices=("auto", True, False),
+    ),
+    Option(
+        "sync_load_max_bytes",
+        int,
+        8 * MiB,
+        "With load_async auto: the largest load (bytes per worker) that runs before the "
+        "step instead of making its request wait a step or more.",
+        minimum=0,
+    ),
+    Option(
+        "layer_load_max_bytes",
+        int,
+        128 * MiB,
+        "With load_async auto, where every worker loads by layer (load_by_layer, CPU "
+        "engines): the largest load (bytes per worker) that runs by layer in the step "
+        "that computes its request instead of making it wait a step or more. Keep its "
+        "load time well inside sync_load_timeout_s.",
+        minimum=0,
+    ),
+    Option(
+        "sync_load_timeout_s",
+        (int, float),
+        0.5,
+        "The longest a sync load may hold up the engine's step (removing invalid "
+        "values it found included); blocks not loaded by then are recomputed (an async "
+        "load waits op_timeout_s per round trip instead, without holding up the step).",
+        minimum=0.001,
+    ),
+    Option(
+        "load_by_layer",
+        bool,
+        True,
+        "Run a sync load alongside the step's forward pass, a part (a few layers) of "
+        "every block at a time: each attention layer waits only until its own layers' "
+        "bytes are in (values stored in parts, see docs/architecture.md). Values are "
+        "still validated whole; a step whose sync load failed has its output for that "
+        "request discarded by vLLM and stores nothing. false: the whole load runs before "
+        "the forward pass.",
+    ),
+    Option(
+        "save_decode_cache",
+        bool,
+        False,
+        "Also store blocks completed by generated tokens, not only prompt blocks.",
+    ),
+    Option(
+        "gil_switch_interval_ms",
+        (int, float),
+        0.2,
+        "Python's thread switch interval (sys.setswitchinterval) the worker sets in its "
+        "process while loads are in flight, when it is longer (the setting it found is "
+        "restored when none is): vLLM's engine loop runs Python without pause while a "
+        "request waits for its load, and with Python's default of 5 ms each resumption of "
+        "a transfer thread after a socket read can wait that long (measured side by side on "
+        "CPU: loads 0.03 against 1.04 GB/s). 0 leaves Python's setting alone.",
+        minimum=0.0,
+    ),
+    Option(
+        "idle_wait_ms",
+        (int, float),
+        1.0,
+        "When a step schedules no tokens while loads are in flight, the scheduler waits "
+        "this long before handing the step back, so vLLM's engine loop does not spin and "
+        "take the CPU and Python's GIL from the transfers it waits for (at most this "
+        "long per idle step; 0: no wait).",
+        minimum=0.0,
+    ),
+    Option(
+        "store_mode",
+        str,
+        "eager",
+        "When blocks are written to Redis: eager (each complete prompt block right after "
+        "the step that computed it) or lazy (only when vLLM is about to evict it from its "
+        "own prefix cache: blocks near the head of vLLM's free queue are pinned until "
+        "stored, so blocks vLLM never evicts cost no Redis bandwidth).",
+        choices=("eager", "lazy"),
+    ),
+    Option(
+        "max_staging_bytes",
+        int,
+        256 * MiB,
+        "Host staging memory per worker; stores that do not fit are dropped and counted. "
+        "Pinned (GPU) staging uses the largest power of two not above it. Startup fails "
+        "when it holds less than one object (the error gives the object size).",
+        minimum=1,
+    ),
+    Option(
+        "copy_backend",
+        str,
+        "auto",
+        "How blocks move between the KV cache and staging: auto (the CuPy kernel for CUDA "
+        "tensors when CuPy is installed, else torch copies), cupy (the kernel; startup fails "
+        "where it cannot run) or torch (torch copies, the CPU path).",
+        choices=("auto", "cupy", "torch"),
+    ),
+    Option(
+        "load_failure_quarantine_s",
+        (int, float),
+        300.0,
+        "A block whose load failed (invalid value, error reply) is not offered as a hit "
+        "again for this long, so one bad object does not cost a failed load per request "
+        "(0: no quarantine). At most 65536 blocks are remembered.",
+        minimum=0.0,
+    ),
+    Option(
+        "store_report_timeout_s",
+        (int, float),
+        120.0,
+        "Blocks pinned for a store whose worker report never arrives are released after "
+        "this long (counted and logged).",
+        minimum=1.0,
+    ),
+    Option(
+        "shutdown_timeout_s",
+        (int, float),
+        5.0,
+        "How long shutdown waits for in-flight transfers.",
+        minimum=0.0,
+    ),
+)
+ENGINE_OPTIONS_BY_NAME = {o.name: o for o in ENGINE_OPTIONS}
+# Every option of kv_connector_extra_config, the store's first.
+CONNECTOR_OPTIONS: tuple[Option, ...] = REDIS_OPTIONS + ENGINE_OPTIONS
+
+# Options no longer taken, and what to use instead (named in the startup error).
+REMOVED_OPTIONS: dict[str, str] = {
+    "enable_lookup": (
+        'kv_transfer_config\'s "kv_role": "kv_producer" stores without looking up, '
+        '"kv_consumer" looks up and loads without storing'
+    ),
+}
+
+
+def _default(name: str) -> Any:
+    return dataclasses.field(default=ENGINE_OPTIONS_BY_NAME[name].default)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's options, typed; defaults come from the option table."""
+
+    key_namespace: str | None = _default("key_namespace")
+    weights_fingerprint: str = _default("weights_fingerprint")
+    lookup_async: bool = _default("lookup_async")
+    load_async: str | bool = _default("load_async")  # "auto", True or False
+    sync_load_max_bytes: int = _default("sync_load_max_bytes")
+    layer_load_max_bytes: int = _default("layer_load_max_bytes")
+    sync_load_timeout_s: float = _default("sync_load_timeout_s")
+    load_by_layer: bool = _default("load_by_layer")
+    save_decode_cache: bool = _default("save_decode_cache")
+    gil_switch_interval_ms: float = _default("gil_switch_interval_ms")
+    idle_wait_ms: float = _default("idle_wait_ms")
+    store_mode: str = _default("store_mode")
+    max_staging_bytes: int = _default("max_staging_bytes")
+    copy_backend: str = _default("copy_backend")
+    load_failure_quarantine_s: float = _default("load_failure_quarantine_s")
+    store_report_timeout_s: float = _default("store_report_timeout_s")
+    shutdown_timeout_s: float = _default("shutdown_timeout_s")
+
+    @classmethod
+    def from_options(cls, extra: Mapping[str, Any] | None) -> EngineOptions:
+        """The engine's options of ``kv_connector_extra_config`` (other keys are the
+        store's); ``ConfigError`` naming the key on a bad value."""
+        opts = validate_options(extra, allowed=ENGINE_OPTIONS, ignore_unknown=True)
+        return cls(**opts)
+
+
+def parse_connector_options(
+    extra: Mapping[str, Any] | None,
+) -> tuple[RedisSettings, EngineOptions]:
+    """Both halves of ``kv_connector_extra_config``, validated once: an unknown key, a
+    removed one (with what replaced it) or a bad value raises ``ConfigError``."""
+    extra = dict(extra or {})
+    for name, instead in REMOVED_OPTIONS.items():
+        if name in extra:
+            raise ConfigError(
+                f"kv_connector_extra_config[{name!r}] is no longer an option: use {instead}"
+            )
+    validate_options(extra, allowed=CONNECTOR_OPTIONS)  # unknown keys
+    return RedisSettings.from_options(extra), EngineOptions.from_options(extra)
