@@ -63,8 +63,8 @@ def _setup_worker(self: Any, direct: bool, overlap: bool | None) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker: Any = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
-    worker.direct_loads = direct
-    worker.scatter_as_loaded = overlap
+    worker.loader.direct_loads = direct
+    worker.loader.scatter_as_loaded = overlap
     totals: dict[str, float] = {}
     add = worker.stats.add
 

@@ -210,7 +210,7 @@ def test_staging_budget_below_one_object_is_a_config_error(
 def test_cancelled_load_is_not_scattered(model_config: ModelConfig, redis_url: str) -> None:
     src, caches = stored_source(model_config, redis_url, H1, 3, seed=2)
     dst, dst_caches = make_worker(model_config, redis_url)
-    dst.direct_loads = False  # the staging path (device KV caches); see the next test
+    dst.loader.direct_loads = False  # the staging path (device KV caches); see the next test
     dst.bind(UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H1,), (6,), (0,))]))
     with dst._lock:  # the scheduler preempts r2 before its load lands
         dst._cancelled.add("r2")
@@ -462,7 +462,9 @@ def test_host_kv_loads_receive_straight_into_the_blocks_without_staging(
     # One staging slot: through staging a two-block load could not even start.
     dst, dst_caches = make_worker(model_config, redis_url, max_staging_bytes=one_slot)
     assert dst.staging is not None and dst.staging.num_slots == 1
-    views = dst._receive_views([dst._plan(p, "r") for p in BlockLoadBatch("r", (H1,), (9,), (0,))])
+    views = dst.loader.receive_views(
+        [dst._plan(p, "r") for p in BlockLoadBatch("r", (H1,), (9,), (0,))]
+    )
     assert views is not None and sum(v.nbytes for v in views[0]) == one_slot
     step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r2", (H1, H2), (9, 10), (0, 0))]))
     assert wait_loaded(dst, "r2") == set()
@@ -512,7 +514,7 @@ def test_the_switch_interval_is_short_only_while_loads_are_in_flight(
             time.sleep(0.01)  # the transfer thread restores it as its load ends
         assert sys.getswitchinterval() == 0.005
         # Nested holds: the last release restores; 0 never changes it; never lengthened.
-        from umbp_redis.engine.worker import LoadSwitchInterval
+        from umbp_redis.engine.switch_interval import LoadSwitchInterval
 
         scope = LoadSwitchInterval()
         assert scope.hold(0.2) and scope.hold(0.2)
@@ -877,5 +879,5 @@ def test_the_handshake_says_whether_sync_loads_run_by_layer(
     off, _ = make_worker(model_config, redis_url, heads=WIDE, load_by_layer=False)
     assert not off.handshake_metadata().loads_by_layer
     staged, _ = make_worker(model_config, redis_url, heads=WIDE)
-    staged.direct_loads = False  # loads through staging, as on a GPU
+    staged.loader.direct_loads = False  # loads through staging, as on a GPU
     assert not staged.handshake_metadata().loads_by_layer
