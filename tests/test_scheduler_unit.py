@@ -541,6 +541,9 @@ def test_a_failing_hook_is_a_miss_not_an_exception(
     req = request(3 * BS + 5)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.errors == 1 and any(r.levelname == "ERROR" for r in caplog.records)
+    # Counted in the stats as a connector bug, once.
+    assert s.take_stats()["unexpected_errors"] == 1
+    assert "unexpected_errors" not in s.take_stats()
     # After a promised load, a failure while planning it reports every block failed.
     s2 = make_scheduler(model_config, ScriptedDataPlane())
     assert s2.codec is not None
@@ -608,6 +611,7 @@ def test_blocks_whose_load_failed_are_not_offered_again_for_a_while(
     req2 = request(4 * BS + 5, rid="r2")
     assert s.get_num_new_matched_tokens(req2, 0) == (2 * BS, True)  # cut before block 2
     assert s.quarantine.skips == 1
+    assert s.take_stats()["quarantine_skips"] == 1  # reported to vLLM's stats
     # Stored again by a worker (valid): offered at once.
     s.update_connector_output(
         SimpleNamespace(  # type: ignore[arg-type]

@@ -112,3 +112,24 @@ def test_observations_are_bounded_per_interval() -> None:
     for i in range(MAX_OBSERVATIONS + 10):
         ws.observe("store_cpu_s", float(i))
     assert len(ws.take()["store_cpu_s"]) == MAX_OBSERVATIONS
+
+
+def test_every_counter_of_the_table_is_exported_or_feeds_an_average() -> None:
+    from umbp_redis.engine.stats import COUNTERS
+
+    reg, prom = prometheus_metrics()
+    exported = [c for c in COUNTERS if c.doc]
+    prom.observe({c.name: 1 for c in COUNTERS}, 0)
+    for c in exported:
+        assert reg.get_sample_value(f"vllm:umbp_{c.name}_total", {"engine": "0"}) == 1, c.name
+    # The counters without a metric are the sums behind the log line's averages.
+    assert {c.name for c in COUNTERS if not c.doc} == {
+        "loads",
+        "load_ms_total",
+        "stores",
+        "store_ms_total",
+    }
+    # The scheduler's counters are in the log line once they are not zero.
+    red = UMBPConnectorStats(data={"quarantine_skips": 2, "idle_waits": 0}).reduce()
+    assert red["quarantine_skips"] == 2 and "idle_waits" not in red
+    assert red["unexpected_errors"] == 0  # always shown

@@ -137,6 +137,7 @@ class UMBPScheduler:
         self.stats = StatsRecorder()  # the per-step account (lookups, hook time)
         self._hooks_s = 0.0  # seconds in guarded hooks since the last step's metadata
         self._logged_errors: set[str] = set()
+        self._reported: dict[str, int] = {}  # counter totals already in the stats
         check_engine_config(vllm_config)
         ktc = vllm_config.kv_transfer_config
         role = ktc.kv_role if ktc else "kv_both"
@@ -332,8 +333,25 @@ class UMBPScheduler:
         st.load_async = self.load_policy.loads_async(tokens // bs)
         return tokens, st.load_async
 
+    def _counter_totals(self) -> dict[str, int]:
+        """The scheduler's counters since startup, by their name in the stats data."""
+        return {
+            "unexpected_errors": self.errors,  # hook failures: connector bugs
+            "quarantine_skips": self.quarantine.skips,
+            "idle_waits": self.idle_waits,
+            "stale_pins_released": self.pins.stale_released,
+            "sync_load_uncached": self.loads.uncached_blocks,
+            "lazy_blocks_stored": self.lazy.blocks_stored if self.lazy is not None else 0,
+        }
+
     def take_stats(self) -> dict[str, Any]:
-        """The scheduler's per-step account since the last call (and reset it)."""
+        """The scheduler's per-step account and its counters' increments since the last
+        call (and reset them)."""
+        for name, total in self._counter_totals().items():
+            delta = total - self._reported.get(name, 0)
+            if delta:
+                self._reported[name] = total
+                self.stats.add(**{name: delta})
         return self.stats.take()
 
     # -- loads ------------------------------------------------------------------------

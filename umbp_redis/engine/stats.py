@@ -110,25 +110,11 @@ class UMBPConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         """The interval's summary for the log line."""
         d: dict[str, Any] = dict(self.data)
-        out: dict[str, int | float] = {
-            k: d.get(k, 0)
-            for k in (
-                "blocks_loaded",
-                "blocks_stored",
-                "load_failures",
-                "store_failures",
-                "stores_dropped",
-                "auth_failures",
-                "unexpected_errors",
-            )
-        }
-        if d.get("sync_loads"):
-            out["sync_loads"] = d["sync_loads"]
-        if d.get("layer_wait_ms"):
-            out["layer_wait_ms"] = round(d["layer_wait_ms"], 2)
-        for k in CLUSTER_COUNTERS:
-            if d.get(k):
-                out[k] = d[k]
+        out: dict[str, int | float] = {}
+        for c in COUNTERS:
+            value = d.get(c.name, 0)
+            if c.log == "always" or (c.log == "nonzero" and value):
+                out[c.name] = round(value, 2) if isinstance(value, float) else value
         out["MB_loaded"] = round(d.get("bytes_loaded", 0) / 1e6, 2)
         out["MB_stored"] = round(d.get("bytes_stored", 0) / 1e6, 2)
         if d.get("loads"):
@@ -151,53 +137,130 @@ class UMBPConnectorStats(KVConnectorStats):
         return not any(self.data.values()) if self.data else True
 
 
-# Redis Cluster event counters (in the log line only when not zero).
-CLUSTER_COUNTERS = (
-    "cluster_moved",
-    "cluster_ask",
-    "cluster_map_refreshes",
-    "cluster_node_failures",
-)
+@dataclass(frozen=True)
+class Counter:
+    """One counter of the connector's stats data.
 
-# Per-node counters travel in the stats data as "<prefix><host:port>".
-NODE_FAILURES_PREFIX = "node_failures@"
+    ``doc``: the help of its Prometheus counter ``vllm:umbp_<name>_total`` (empty: not
+    exported, a sum kept for an average in the log line); ``log``: "always" or
+    "nonzero" for when vLLM's log line shows it, empty for never; ``side``: which half
+    counts it ("worker", "scheduler", or "store": the data plane's totals, which the
+    worker reports as deltas)."""
 
-_PROM_COUNTERS = (
-    ("blocks_loaded", "KV blocks loaded from Redis."),
-    ("bytes_loaded", "Bytes of KV loaded from Redis."),
-    ("blocks_stored", "KV blocks stored in Redis."),
-    ("bytes_stored", "Bytes of KV stored in Redis."),
-    (
+    name: str
+    doc: str
+    log: str
+    side: str
+
+
+COUNTERS: tuple[Counter, ...] = (
+    Counter("blocks_loaded", "KV blocks loaded from Redis.", "always", "worker"),
+    Counter("bytes_loaded", "Bytes of KV loaded from Redis.", "", "worker"),
+    Counter("blocks_stored", "KV blocks stored in Redis.", "always", "worker"),
+    Counter("bytes_stored", "Bytes of KV stored in Redis.", "", "worker"),
+    Counter(
         "load_failures",
         "Blocks that failed to load (missing, invalid or error) and were recomputed.",
+        "always",
+        "worker",
     ),
-    (
+    Counter(
         "sync_loads",
         "Loads run in the step that computes their request (load_async false, or auto "
         "and at most sync_load_max_bytes, or layer_load_max_bytes by layer).",
+        "nonzero",
+        "worker",
     ),
-    (
+    Counter(
         "layer_wait_ms",
         "Milliseconds the forward pass waited in wait_for_layer_load for loads by layer.",
+        "nonzero",
+        "worker",
     ),
-    ("store_failures", "Block stores Redis refused or that failed."),
-    ("stores_dropped", "Block stores dropped because staging memory was full."),
-    (
+    Counter("store_failures", "Block stores Redis refused or that failed.", "always", "worker"),
+    Counter(
+        "stores_dropped",
+        "Block stores dropped because staging memory was full or a sync load of their step failed.",
+        "always",
+        "worker",
+    ),
+    Counter("loads", "", "", "worker"),
+    Counter("load_ms_total", "", "", "worker"),
+    Counter("stores", "", "", "worker"),
+    Counter("store_ms_total", "", "", "worker"),
+    Counter(
         "auth_failures",
         "Logins and commands Redis refused (wrong password, NOAUTH, NOPERM): check the ACL.",
+        "always",
+        "store",
     ),
-    (
+    Counter(
         "unexpected_errors",
-        "Connector bugs and malformed replies turned into misses or dropped stores.",
+        "Connector bugs (in the data plane, or a scheduler hook) and malformed replies, "
+        "turned into misses or dropped stores.",
+        "always",
+        "store",
     ),
-    ("cluster_moved", "Redis Cluster MOVED redirects followed (the slot map was stale)."),
-    ("cluster_ask", "Redis Cluster ASK redirects followed (a slot was migrating)."),
-    ("cluster_map_refreshes", "Redis Cluster slot maps read."),
-    (
+    Counter(
+        "cluster_moved",
+        "Redis Cluster MOVED redirects followed (the slot map was stale).",
+        "nonzero",
+        "store",
+    ),
+    Counter(
+        "cluster_ask",
+        "Redis Cluster ASK redirects followed (a slot was migrating).",
+        "nonzero",
+        "store",
+    ),
+    Counter("cluster_map_refreshes", "Redis Cluster slot maps read.", "nonzero", "store"),
+    Counter(
         "cluster_node_failures",
         "Redis Cluster masters that failed a lookup, store or load (their keys missed).",
+        "nonzero",
+        "store",
+    ),
+    Counter(
+        "quarantine_skips",
+        "Lookups whose hit ended at a block whose load had failed lately "
+        "(load_failure_quarantine_s).",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "idle_waits",
+        "Engine steps with nothing to compute but loads in flight, in which the "
+        "scheduler waited idle_wait_ms.",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "stale_pins_released",
+        "Store events whose worker reports did not come within store_report_timeout_s; "
+        "their blocks were released.",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "sync_load_uncached",
+        "Blocks taken out of vLLM's prefix cache after a failed sync load.",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "lazy_blocks_stored",
+        "Blocks pinned for a lazy store (store_mode lazy).",
+        "nonzero",
+        "scheduler",
     ),
 )
+
+# The data plane's counters the worker carries into the stats, as deltas per interval.
+STORE_COUNTERS = tuple(c.name for c in COUNTERS if c.side == "store")
+CLUSTER_COUNTERS = tuple(n for n in STORE_COUNTERS if n.startswith("cluster_"))
+
+# Per-node counters travel in the stats data as "<prefix><host:port>".
+NODE_FAILURES_PREFIX = "node_failures@"
 
 
 class UMBPPromMetrics(KVConnectorPromMetrics):
@@ -215,7 +278,7 @@ class UMBPPromMetrics(KVConnectorPromMetrics):
             name: self._counter_cls(
                 name=f"vllm:umbp_{name}_total", documentation=doc, labelnames=labelnames
             )
-            for name, doc in _PROM_COUNTERS
+            for name, doc in ((c.name, c.doc) for c in COUNTERS if c.doc)
         }
         self._labelnames = labelnames
         self._per_engine_labelvalues = per_engine_labelvalues

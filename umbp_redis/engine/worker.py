@@ -43,7 +43,7 @@ from umbp_redis.engine.copy.interface import BlockCopier
 from umbp_redis.engine.layer_gate import LayerGate
 from umbp_redis.engine.options import EngineOptions
 from umbp_redis.engine.staging import StagingPool, staging_budget
-from umbp_redis.engine.stats import CLUSTER_COUNTERS, NODE_FAILURES_PREFIX, StatsRecorder
+from umbp_redis.engine.stats import COUNTERS, NODE_FAILURES_PREFIX, STORE_COUNTERS, StatsRecorder
 from umbp_redis.engine.switch_interval import LOAD_SWITCH_INTERVAL
 from umbp_redis.engine.weights import weights_fingerprint
 from umbp_redis.engine.worker_ledger import WorkerLedger
@@ -60,9 +60,6 @@ log = logging.getLogger(__name__)
 
 # Seconds past a load-by-layer's deadline the end of the step waits for its thread.
 LAYER_LOAD_JOIN_GRACE_S = 1.0
-
-# Data-plane counters carried into vLLM's stats (as deltas per interval).
-CARRIED_COUNTERS = ("auth_failures", "unexpected_errors", *CLUSTER_COUNTERS)
 
 
 def _live_ranks() -> tuple[int, int, int]:
@@ -81,21 +78,7 @@ def _live_ranks() -> tuple[int, int, int]:
 class WorkerStats(StatsRecorder):
     """Counters the worker reports through ``KVConnectorStats`` (reset on each report)."""
 
-    FIELDS = (
-        "blocks_loaded",
-        "bytes_loaded",
-        "blocks_stored",
-        "bytes_stored",
-        "load_failures",
-        "store_failures",
-        "stores_dropped",
-        "load_ms_total",
-        "store_ms_total",
-        "loads",
-        "sync_loads",
-        "layer_wait_ms",
-        "stores",
-    ) + CARRIED_COUNTERS
+    FIELDS = tuple(c.name for c in COUNTERS if c.side in ("worker", "store"))
 
 
 class UMBPWorker:
@@ -545,7 +528,7 @@ class UMBPWorker:
             per_node = node_counters() if node_counters is not None else {}
         except Exception:
             per_node = {}
-        totals = {name: int(counters.get(name, 0)) for name in CARRIED_COUNTERS}
+        totals = {name: int(counters.get(name, 0)) for name in STORE_COUNTERS}
         totals.update({f"{NODE_FAILURES_PREFIX}{node}": n for node, n in per_node.items()})
         for name, now in totals.items():  # the data plane's totals as this interval's deltas
             delta = now - self._seen_counters.get(name, 0)
