@@ -287,3 +287,34 @@ def test_a_value_in_parts_round_trips_and_is_bound_to_its_split() -> None:
     assert bodies1 == ((0, body_length(payload.nbytes)),)
     with pytest.raises(ValueError, match="do not split"):
         encode_value(fp, payload, key, with_checksum=True, parts=(1, 2))
+
+
+@pytest.mark.parametrize("parts", [None, (40_000, 30_000)])
+def test_a_value_read_back_whole_is_checked_on_its_own_terms(
+    parts: tuple[int, ...] | None,
+) -> None:
+    from umbp_redis.store.value_format import (
+        ChecksumMismatch,
+        InvalidValue,
+        KeyDigestMismatch,
+        check_stored_value,
+    )
+
+    fp, key = b"\x07" * 16, b"umbp:v3:ns:tp0:pp0:g0:aa"
+    payload = memoryview(bytes(range(256)) * 273 + bytes(112))  # 70,000 bytes
+    h, bodies = encode_value(fp, payload, key, with_checksum=True, parts=parts)
+    fields = [payload[o : o + n].tobytes() for o, n in bodies]
+    hdr, got = check_stored_value(key, h, fields)
+    assert got == payload.tobytes() and hdr.fingerprint == fp
+    with pytest.raises(KeyDigestMismatch):
+        check_stored_value(key + b"x", h, fields)
+    flipped = [bytes([fields[0][0] ^ 1]) + fields[0][1:], *fields[1:]]
+    with pytest.raises(ChecksumMismatch):
+        check_stored_value(key, h, flipped)
+    with pytest.raises(InvalidValue, match="missing"):
+        check_stored_value(key, h, [None, *fields[1:]])
+    with pytest.raises(InvalidValue, match="bytes, expected"):
+        check_stored_value(key, h, [fields[0][:-1], *fields[1:]])
+    # Without a checksum only the binding to the key is checked.
+    bare, _ = encode_value(fp, payload, key, with_checksum=False, parts=parts)
+    assert check_stored_value(key, bare, flipped)[0].has_checksum is False

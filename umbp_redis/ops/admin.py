@@ -19,11 +19,12 @@ from typing import Any
 from umbp_redis.data.keys import NAMESPACE_RE, namespace_pattern, parse_key
 from umbp_redis.store.settings import DEFAULT_URL, RedisSettings
 from umbp_redis.store.value_format import (
+    ChecksumMismatch,
     InvalidValue,
+    KeyDigestMismatch,
     body_field,
-    checksum,
+    check_stored_value,
     decode_header,
-    key_digest,
 )
 
 _PROGRESS_EVERY = 10_000
@@ -286,28 +287,14 @@ def inspect_value(r: Any, key: str) -> dict[str, Any]:
             body_len=hdr.body_len,
             parts=len(hdr.part_lengths),
         )
-        places = hdr.part_layout()
-        bodies = r.hmget(key, [body_field(i) for i in range(len(places))])
-        payload = bytearray()
-        for i, (place, body) in enumerate(zip(places, bodies, strict=True)):
-            name = body_field(i).decode()
-            if body is None:
-                raise InvalidValue(f"field {name} missing")
-            if len(body) != place.body_len:
-                raise InvalidValue(f"field {name} is {len(body)} bytes, expected {place.body_len}")
-            payload += body + h[place.tail_at : place.tail_at + place.tail_len]
-        bound = hdr.key_digest == key_digest(key.encode())
-        info["key_digest"] = "ok" if bound else "MISMATCH"
-        if not bound:
-            raise InvalidValue("key digest differs: the value was written under another key")
-        if hdr.has_checksum:
-            ok = checksum(payload) == hdr.checksum
-            info["checksum"] = "ok" if ok else "MISMATCH"
-            if not ok:
-                raise InvalidValue("checksum mismatch")
-        else:
-            info["checksum"] = "absent"
+        bodies = r.hmget(key, [body_field(i) for i in range(len(hdr.part_layout()))])
+        check_stored_value(key.encode(), h, bodies)
+        info.update(key_digest="ok", checksum="ok" if hdr.has_checksum else "absent")
         info["valid"] = True
+    except KeyDigestMismatch as e:
+        info.update(valid=False, error=str(e), key_digest="MISMATCH")
+    except ChecksumMismatch as e:
+        info.update(valid=False, error=str(e), key_digest="ok", checksum="MISMATCH")
     except InvalidValue as e:
         info.update(valid=False, error=str(e))
     return info

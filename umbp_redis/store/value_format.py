@@ -88,6 +88,20 @@ class InvalidValue(ValueError):
     """A stored value whose header does not match what the reader expects."""
 
 
+class KeyDigestMismatch(InvalidValue):
+    """A value written under another key."""
+
+    def __init__(self) -> None:
+        super().__init__("key digest differs: the value was written under another key")
+
+
+class ChecksumMismatch(InvalidValue):
+    """A value whose payload is not the one its checksum was computed over."""
+
+    def __init__(self) -> None:
+        super().__init__("checksum mismatch")
+
+
 def body_length(payload_len: int) -> int:
     """Bytes of the payload stored in the body field (the rest goes after the header).
 
@@ -371,7 +385,7 @@ def validate_header(
     checksum is invalid too.
     """
     if hdr.key_digest != key_digest(key):
-        raise InvalidValue("key digest differs: the value was written under another key")
+        raise KeyDigestMismatch()
     if require_checksum and not hdr.has_checksum:
         raise InvalidValue("value has no checksum and this reader requires one")
     if hdr.fingerprint != fingerprint:
@@ -386,3 +400,31 @@ def validate_header(
     first = body_length(want[0]) if hdr.parts else hdr.body_len
     if body_field_len != first:
         raise InvalidValue(f"body field is {body_field_len} bytes, header says {first}")
+
+
+def check_stored_value(
+    key: bytes, field_h: bytes, bodies: Sequence[bytes | None]
+) -> tuple[ValueHeader, bytes]:
+    """A stored value read back whole (its ``h`` field and its body fields, in order),
+    checked on its own terms: a header that decodes, every body field present with the
+    length the header gives, bound to ``key``, and its checksum, where it has one,
+    matching. Returns the header and the payload; raises ``InvalidValue`` (or its
+    ``KeyDigestMismatch`` / ``ChecksumMismatch``) naming what is wrong. A reader that
+    knows the layout it expects also checks the header against it (``validate_header``)."""
+    hdr = decode_header(field_h)
+    places = hdr.part_layout()
+    if len(bodies) != len(places):
+        raise InvalidValue(f"{len(bodies)} body fields read, the header has {len(places)}")
+    payload = bytearray()
+    for i, (place, body) in enumerate(zip(places, bodies, strict=True)):
+        name = body_field(i).decode()
+        if body is None:
+            raise InvalidValue(f"field {name} missing")
+        if len(body) != place.body_len:
+            raise InvalidValue(f"field {name} is {len(body)} bytes, expected {place.body_len}")
+        payload += body + field_h[place.tail_at : place.tail_at + place.tail_len]
+    if hdr.key_digest != key_digest(key):
+        raise KeyDigestMismatch()
+    if hdr.has_checksum and checksum(payload) != hdr.checksum:
+        raise ChecksumMismatch()
+    return hdr, bytes(payload)
