@@ -40,7 +40,8 @@ from umbp_redis.engine.options import parse_connector_options  # noqa: E402
 from umbp_redis.engine.scheduler import UMBPScheduler  # noqa: E402
 from umbp_redis.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from umbp_redis.ops.tiny_model import build_tiny_llama  # noqa: E402
-from umbp_redis.store.plane import RedisDataPlane, _expire_cmd  # noqa: E402
+from umbp_redis.store.commands import expire_command  # noqa: E402
+from umbp_redis.store.plane import RedisDataPlane  # noqa: E402
 from umbp_redis.store.settings import RedisSettings  # noqa: E402
 
 BLOCKS = 8000
@@ -79,7 +80,7 @@ def old_lookup(s: UMBPScheduler, plane: RedisDataPlane, hashes: list[bytes]) -> 
         per_block = len(block_keys)
         keys.extend(block_keys)
     ttl = plane.ttl_arg
-    buf = b"".join(_expire_cmd(k.encode(), ttl) for k in keys)
+    buf = b"".join(expire_command(k.encode(), ttl) for k in keys)
     replies = plane.lookup_replies(buf, len(keys), timeout=30.0)
     assert replies is not None
     hits = 0

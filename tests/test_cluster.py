@@ -26,7 +26,8 @@ from umbp_redis.data.keys import KEY_PREFIX
 from umbp_redis.data.namespace import UMBPNamespace
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
-from umbp_redis.store.cluster import ClusterDataPlane, ClusterLookupEncoder
+from umbp_redis.store.cluster import ClusterDataPlane
+from umbp_redis.store.commands import ClusterLookupEncoder
 from umbp_redis.store.deployment import PendingPlane, open_plane
 from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus

@@ -23,9 +23,8 @@ from umbp_redis.data import (
 )
 from umbp_redis.engine.options import EngineOptions, parse_connector_options
 from umbp_redis.engine.scheduler import UMBPScheduler
-from umbp_redis.store.cluster import ClusterLookupEncoder
+from umbp_redis.store.commands import ClusterLookupEncoder, LookupEncoder
 from umbp_redis.store.errors import ConfigError
-from umbp_redis.store.plane import LookupEncoder
 from umbp_redis.store.slots import key_slot
 
 BS = 128
@@ -419,7 +418,7 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
 def test_keys_are_built_once_per_block(
     model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from umbp_redis.store.plane import LookupEncoder
+    from umbp_redis.store.commands import LookupEncoder
 
     built: list[bytes] = []
     real = LookupEncoder.encode
@@ -444,7 +443,7 @@ def test_keys_are_built_once_per_block(
 
 
 def test_encoded_lookups_equal_the_reference_encoding() -> None:
-    from umbp_redis.store.plane import LookupEncoder, lookup_commands
+    from umbp_redis.store.commands import LookupEncoder, lookup_commands
 
     prefixes = [b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:", b"umbp:vllm:v1:ns:tp1:pcp0:dcp0:pp0:g0:"]
     hx = bytes(range(32)).hex().encode()

@@ -24,8 +24,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
+from umbp_redis.store.commands import ClusterLookupEncoder, SlottedBlock, lookup_commands
 from umbp_redis.store.connection import RedisConnection
 from umbp_redis.store.errors import RedisDataPlaneError, RedisRedirectError, RedisTimeoutError
 from umbp_redis.store.plane import (
@@ -35,7 +36,6 @@ from umbp_redis.store.plane import (
     PartCallback,
     RedisDataPlane,
     StoreStatus,
-    lookup_commands,
     record_loads,
     record_stores,
 )
@@ -58,53 +58,6 @@ S = TypeVar("S", StoreStatus, LoadStatus)
 _MIN_REFRESH_GAP_S = 0.1
 _MAX_REFRESH_GAP_S = 1.0
 _SUSPECT_WATCH_S = 60.0
-
-
-class SlottedBlock(NamedTuple):
-    """One block's lookup commands, one per key, and each key's slot (computed once)."""
-
-    cmds: tuple[bytes, ...]
-    slots: tuple[int, ...]
-
-
-class ClusterLookupEncoder:
-    """Encodes one block's per-key lookup commands from the block hash, with slots.
-
-    On a cluster every key is its own command (a multi-key ``TOUCH`` of keys in
-    different slots is refused): ``EXPIRE key ttl`` with ``refresh_ttl``, else
-    ``TOUCH key``; each answers 1 for a present key.
-    """
-
-    def __init__(
-        self, prefixes: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes, hash_hex_len: int
-    ) -> None:
-        self.prefixes = tuple(prefixes)
-        self.replies = len(self.prefixes)
-        self.hash_hex_len = hash_hex_len
-        n = hash_hex_len
-        if refresh_ttl:
-            tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
-            self._heads = tuple(
-                b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s" % (len(p) + n, p) for p in self.prefixes
-            )
-        else:
-            tail = b"\r\n"
-            self._heads = tuple(
-                b"*2\r\n$5\r\nTOUCH\r\n$%d\r\n%s" % (len(p) + n, p) for p in self.prefixes
-            )
-        self._tail = tail
-
-    def encode(self, hash_hex: bytes) -> SlottedBlock:
-        """The block's commands and slots, for a hash of the length given at construction."""
-        if len(hash_hex) != self.hash_hex_len:
-            raise ValueError(
-                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
-            )
-        tail = hash_hex + self._tail
-        return SlottedBlock(
-            tuple(h + tail for h in self._heads),
-            tuple(key_slot(p + hash_hex) for p in self.prefixes),
-        )
 
 
 def read_slot_map(conn: RedisConnection, asked_host: str) -> SlotMap:

@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from umbp_redis.store.cluster import ClusterDataPlane, read_slot_map
+from umbp_redis.store.commands import LookupEncoder
 from umbp_redis.store.connection import AuthAlarm, RedisConnection
 from umbp_redis.store.errors import ConfigError, RedisAuthError, RedisDataPlaneError
 from umbp_redis.store.plane import (
     LoadedCallback,
     LoadStatus,
-    LookupEncoder,
     PartCallback,
     RedisDataPlane,
     StoreStatus,

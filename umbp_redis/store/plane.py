@@ -19,7 +19,6 @@ malformed reply: results say per key what happened.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import threading
 import time
@@ -28,6 +27,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from umbp_redis.store.commands import (
+    ASKING,
+    EXEC,
+    MULTI,
+    LookupEncoder,
+    body_heads,
+    expire_command,
+    hmget_command,
+    hmget_part_command,
+    lookup_commands,
+    transaction_replies,
+)
 from umbp_redis.store.connection import (
     AuthAlarm,
     ConnectionPool,
@@ -43,10 +54,10 @@ from umbp_redis.store.errors import (
     RedisRedirectError,
     RedisTimeoutError,
 )
-from umbp_redis.store.resp import Buffer, ErrorReply, bulk_prefix, encode_command, send_buffers
+from umbp_redis.store.resp import Buffer, ErrorReply, encode_command, send_buffers
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.thread_affinity import thread_pinner
-from umbp_redis.store.value_format import body_field, encode_value, part_split
+from umbp_redis.store.value_format import encode_value, part_split
 from umbp_redis.store.value_reads import (
     LoadStatus,
     ValueRead,
@@ -151,84 +162,6 @@ def _key_bytes(key: str | bytes) -> bytes:
     return key if isinstance(key, bytes) else key.encode()
 
 
-def _expire_cmd(k: bytes, ttl: bytes) -> bytes:
-    return b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(ttl), ttl)
-
-
-def _touch_cmd(keys: Sequence[bytes]) -> bytes:
-    return b"*%d\r\n$5\r\nTOUCH\r\n%s" % (
-        len(keys) + 1,
-        b"".join(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys),
-    )
-
-
-class LookupEncoder:
-    """Encodes one block's lookup commands from the block hash alone, fast.
-
-    ``prefixes`` are the block's keys up to the hash (every rank and group); the
-    commands of ``lookup_commands`` are precomputed around the hash's position, so a
-    block costs one ``bytes.join`` with the hash's hex as the separator.
-    """
-
-    def __init__(
-        self, prefixes: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes, hash_hex_len: int
-    ) -> None:
-        self.refresh_ttl = refresh_ttl
-        self.replies = len(prefixes) if refresh_ttl else 1
-        self.hash_hex_len = hash_hex_len
-        n = hash_hex_len
-        pieces: list[bytes] = []
-        if refresh_ttl:
-            tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
-            for i, p in enumerate(prefixes):
-                head = b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s" % (len(p) + n, p)
-                pieces.append(head if i == 0 else tail + head)
-            pieces.append(tail)
-        else:
-            head = b"*%d\r\n$5\r\nTOUCH\r\n" % (len(prefixes) + 1)
-            for i, p in enumerate(prefixes):
-                arg = b"$%d\r\n%s" % (len(p) + n, p)
-                pieces.append(head + arg if i == 0 else b"\r\n" + arg)
-            pieces.append(b"\r\n")
-        self._pieces = pieces
-
-    def encode(self, hash_hex: bytes) -> bytes:
-        """The block's commands (``lookup_commands`` of its keys), for a hash of the
-        length given at construction."""
-        if len(hash_hex) != self.hash_hex_len:
-            raise ValueError(
-                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
-            )
-        return hash_hex.join(self._pieces)
-
-
-def lookup_commands(keys: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes) -> tuple[bytes, int]:
-    """Pre-encoded presence check of ``keys`` that together form one block, and its reply count.
-
-    With ``refresh_ttl`` one ``EXPIRE`` per key (answers 1 for a hit and re-arms its TTL),
-    else one multi-key ``TOUCH`` (answers how many exist). Both update the keys' LRU
-    clock (``EXISTS`` would not), so a prefix every request relies on stays the most
-    recently used. The block is present iff its replies add up to ``len(keys)``.
-    """
-    if refresh_ttl:
-        return b"".join(_expire_cmd(k, ttl) for k in keys), len(keys)
-    return _touch_cmd(keys), 1
-
-
-_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
-_ASKING = b"*1\r\n$6\r\nASKING\r\n"
-_EXEC = b"*1\r\n$4\r\nEXEC\r\n"
-
-
-@functools.lru_cache(maxsize=16)
-def _tx_replies(fields: int) -> tuple[bytes, bytes]:
-    """A stored object's replies (MULTI, two QUEUED, then EXEC's [fields HSET added,
-    EXPIRE 1]) as they usually come: the key held a value of the same split (no field
-    added) or none (all ``fields`` added)."""
-    tx = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n:%d\r\n:1\r\n"
-    return tx % 0, tx % fields
-
-
 def _transaction_status(
     multi: Any, hset: Any, expire: Any, exec_reply: Any
 ) -> tuple[StoreStatus, Exception | None]:
@@ -275,37 +208,6 @@ def _warn_no_transactions(refusal: ErrorReply) -> None:
 
 def _error_status(err: ErrorReply) -> StoreStatus:
     return StoreStatus.OOM if isinstance(err.exc, RedisOOMError) else StoreStatus.ERROR
-
-
-@functools.cache
-def _hmget_frame(parts: int) -> tuple[bytes, bytes]:
-    """What comes before a key's length in an HMGET of ``parts`` body fields, and after
-    the key: the header field's and every body field's names."""
-    fields = b"".join(b"$%d\r\n%s\r\n" % (len(f), f) for f in (body_field(i) for i in range(parts)))
-    return b"*%d\r\n$5\r\nHMGET\r\n$" % (parts + 3), b"\r\n$1\r\nh\r\n" + fields
-
-
-def _hmget_cmd(k: bytes, parts: int = 1) -> bytes:
-    """HMGET of a value's header field and its ``parts`` body fields."""
-    head, fields = _hmget_frame(parts)
-    return b"%s%d\r\n%s%s" % (head, len(k), k, fields)
-
-
-@functools.lru_cache(maxsize=64)
-def _body_heads(bodies: tuple[tuple[int, int], ...]) -> tuple[bytes, ...]:
-    """For HSET of body fields of these (offset, length): what goes before each body's
-    bytes: the CRLF ending the previous argument (but for the first), the field's name
-    and the body's bulk prefix."""
-    return tuple(
-        (b"\r\n" if i else b"") + b"$%d\r\n%s\r\n" % (len(f), f) + bulk_prefix(n)
-        for i, (f, (_, n)) in enumerate((body_field(i), b) for i, b in enumerate(bodies))
-    )
-
-
-def _hmget_part_cmd(k: bytes, part: int) -> bytes:
-    """HMGET of body field ``part`` (>= 1) alone."""
-    f = body_field(part)
-    return b"*3\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(f), f)
 
 
 def _part_count(parts: Sequence[int] | None) -> int:
@@ -611,8 +513,8 @@ class RedisDataPlane:
     def _expire_existing(
         self, keys: Sequence[str | bytes], ttl: bytes, asking: bool = False
     ) -> list[bool] | None:
-        pre = _ASKING if asking else b""
-        buf = b"".join(pre + _expire_cmd(_key_bytes(k), ttl) for k in keys)
+        pre = ASKING if asking else b""
+        buf = b"".join(pre + expire_command(_key_bytes(k), ttl) for k in keys)
         try:
             replies = self._int_round_trip(buf, len(keys) * (2 if asking else 1), ok_replies=asking)
         except RedisDataPlaneError as e:
@@ -659,14 +561,14 @@ class RedisDataPlane:
         # a TTL, which volatile-* eviction would never remove).
         bufs: list[Buffer] = []
         with_checksum = self.settings.checksum
-        multi = _ASKING + _MULTI if asking else _MULTI
+        multi = ASKING + MULTI if asking else MULTI
         nargs = 4 + 2 * _part_count(parts)
         after = b""  # the previous object's EXPIRE and EXEC, sent with this one's start
         for key, payload in group:
             field_h, bodies = encode_value(
                 fingerprint, payload, key, with_checksum=with_checksum, parts=parts
             )
-            heads = _body_heads(bodies)
+            heads = body_heads(bodies)
             bufs.append(
                 b"%s%s*%d\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n$%d\r\n%s\r\n%s"
                 % (after, multi, nargs, len(key), key, len(field_h), field_h, heads[0])
@@ -675,7 +577,7 @@ class RedisDataPlane:
                 if i:
                     bufs.append(heads[i])
                 bufs.append(payload[offset : offset + body_len])
-            after = b"\r\n" + _expire_cmd(key, ttl) + _EXEC
+            after = b"\r\n" + expire_command(key, ttl) + EXEC
         bufs.append(after)
         send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
 
@@ -687,7 +589,7 @@ class RedisDataPlane:
         parts: Sequence[int] | None = None,
     ) -> list[StoreStatus | RedisRedirectError]:
         reader = conn.reader
-        usual = _tx_replies(1 + _part_count(parts))
+        usual = transaction_replies(1 + _part_count(parts))
         out: list[StoreStatus | RedisRedirectError] = []
         loading: RedisLoadingError | None = None
         for _ in range(n):
@@ -793,7 +695,7 @@ class RedisDataPlane:
     ) -> list[LoadStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         idx = list(rng)
-        pre = _ASKING if asking else b""
+        pre = ASKING if asking else b""
         if parts is not None and on_part is not None:
             return self._load_range_by_part(
                 sub, idx, fingerprint, pre, deadline, on_loaded, parts, on_part
@@ -822,7 +724,7 @@ class RedisDataPlane:
                 groups,
                 lambda g: send_buffers(
                     conn.sock,
-                    [b"".join(pre + _hmget_cmd(sub[idx[j]][0], nparts) for j in g)],
+                    [b"".join(pre + hmget_command(sub[idx[j]][0], nparts) for j in g)],
                     use_sendmsg=False,
                     deadline=deadline,
                 ),
@@ -849,7 +751,7 @@ class RedisDataPlane:
 
         def command(p: int, j: int) -> bytes:
             key = sub[idx[j]][0]
-            return pre + (_hmget_cmd(key, 1) if p == 0 else _hmget_part_cmd(key, p))
+            return pre + (hmget_command(key, 1) if p == 0 else hmget_part_command(key, p))
 
         def read(conn: RedisConnection, g: range) -> list[None]:
             for u in g:

@@ -1,0 +1,183 @@
+"""The RESP bytes of every command the data planes send, built in one place.
+
+Commands are pre-encoded bytes: lookups per block from templates around the block
+hash's position (``LookupEncoder`` on one server, ``ClusterLookupEncoder`` on a cluster),
+stores as ``MULTI``/``HSET``/``EXPIRE``/``EXEC`` (``body_heads`` frame the value's body
+fields so their bytes are sent from staging without a copy), loads as ``HMGET``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from umbp_redis.store.resp import bulk_prefix, encode_command
+from umbp_redis.store.slots import key_slot
+from umbp_redis.store.value_format import body_field
+
+
+def keyed_head(command: bytes, nargs: int, key_prefix: bytes, hash_len: int) -> bytes:
+    """The start of ``command`` (of ``nargs`` words, itself included) up to its key's
+    ``key_prefix``, for a key that ends with ``hash_len`` more bytes (the block hash)."""
+    return b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
+        nargs,
+        len(command),
+        command,
+        len(key_prefix) + hash_len,
+        key_prefix,
+    )
+
+
+def expire_command(k: bytes, ttl: bytes) -> bytes:
+    """``EXPIRE k ttl``."""
+    return keyed_head(b"EXPIRE", 3, k, 0) + b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+
+
+def touch_command(keys: Sequence[bytes]) -> bytes:
+    """``TOUCH key...`` of every key of ``keys``."""
+    return b"*%d\r\n$5\r\nTOUCH\r\n%s" % (
+        len(keys) + 1,
+        b"".join(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys),
+    )
+
+
+class LookupEncoder:
+    """Encodes one block's lookup commands from the block hash alone, fast.
+
+    ``prefixes`` are the block's keys up to the hash (every rank and group); the
+    commands of ``lookup_commands`` are precomputed around the hash's position, so a
+    block costs one ``bytes.join`` with the hash's hex as the separator.
+    """
+
+    def __init__(
+        self, prefixes: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes, hash_hex_len: int
+    ) -> None:
+        self.refresh_ttl = refresh_ttl
+        self.replies = len(prefixes) if refresh_ttl else 1
+        self.hash_hex_len = hash_hex_len
+        n = hash_hex_len
+        pieces: list[bytes] = []
+        if refresh_ttl:
+            tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+            for i, p in enumerate(prefixes):
+                head = keyed_head(b"EXPIRE", 3, p, n)
+                pieces.append(head if i == 0 else tail + head)
+            pieces.append(tail)
+        else:
+            head = b"*%d\r\n$5\r\nTOUCH\r\n" % (len(prefixes) + 1)
+            for i, p in enumerate(prefixes):
+                arg = b"$%d\r\n%s" % (len(p) + n, p)
+                pieces.append(head + arg if i == 0 else b"\r\n" + arg)
+            pieces.append(b"\r\n")
+        self._pieces = pieces
+
+    def encode(self, hash_hex: bytes) -> bytes:
+        """The block's commands (``lookup_commands`` of its keys), for a hash of the
+        length given at construction."""
+        if len(hash_hex) != self.hash_hex_len:
+            raise ValueError(
+                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
+            )
+        return hash_hex.join(self._pieces)
+
+
+def lookup_commands(keys: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes) -> tuple[bytes, int]:
+    """Pre-encoded presence check of ``keys`` that together form one block, and its reply count.
+
+    With ``refresh_ttl`` one ``EXPIRE`` per key (answers 1 for a hit and re-arms its TTL),
+    else one multi-key ``TOUCH`` (answers how many exist). Both update the keys' LRU
+    clock (``EXISTS`` would not), so a prefix every request relies on stays the most
+    recently used. The block is present iff its replies add up to ``len(keys)``.
+    """
+    if refresh_ttl:
+        return b"".join(expire_command(k, ttl) for k in keys), len(keys)
+    return touch_command(keys), 1
+
+
+# Commands without arguments, and the one-shot redirect of Redis Cluster.
+MULTI = encode_command(b"MULTI")
+ASKING = encode_command(b"ASKING")
+EXEC = encode_command(b"EXEC")
+
+
+@functools.lru_cache(maxsize=16)
+def transaction_replies(fields: int) -> tuple[bytes, bytes]:
+    """A stored object's replies (MULTI, two QUEUED, then EXEC's [fields HSET added,
+    EXPIRE 1]) as they usually come: the key held a value of the same split (no field
+    added) or none (all ``fields`` added)."""
+    tx = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n:%d\r\n:1\r\n"
+    return tx % 0, tx % fields
+
+
+@functools.cache
+def _hmget_frame(parts: int) -> tuple[bytes, bytes]:
+    """What comes before a key's length in an HMGET of ``parts`` body fields, and after
+    the key: the header field's and every body field's names."""
+    fields = b"".join(b"$%d\r\n%s\r\n" % (len(f), f) for f in (body_field(i) for i in range(parts)))
+    return b"*%d\r\n$5\r\nHMGET\r\n$" % (parts + 3), b"\r\n$1\r\nh\r\n" + fields
+
+
+def hmget_command(k: bytes, parts: int = 1) -> bytes:
+    """HMGET of a value's header field and its ``parts`` body fields."""
+    head, fields = _hmget_frame(parts)
+    return b"%s%d\r\n%s%s" % (head, len(k), k, fields)
+
+
+@functools.lru_cache(maxsize=64)
+def body_heads(bodies: tuple[tuple[int, int], ...]) -> tuple[bytes, ...]:
+    """For HSET of body fields of these (offset, length): what goes before each body's
+    bytes: the CRLF ending the previous argument (but for the first), the field's name
+    and the body's bulk prefix."""
+    return tuple(
+        (b"\r\n" if i else b"") + b"$%d\r\n%s\r\n" % (len(f), f) + bulk_prefix(n)
+        for i, (f, (_, n)) in enumerate((body_field(i), b) for i, b in enumerate(bodies))
+    )
+
+
+def hmget_part_command(k: bytes, part: int) -> bytes:
+    """HMGET of body field ``part`` (>= 1) alone."""
+    return encode_command(b"HMGET", k, body_field(part))
+
+
+class SlottedBlock(NamedTuple):
+    """One block's lookup commands, one per key, and each key's slot (computed once)."""
+
+    cmds: tuple[bytes, ...]
+    slots: tuple[int, ...]
+
+
+class ClusterLookupEncoder:
+    """Encodes one block's per-key lookup commands from the block hash, with slots.
+
+    On a cluster every key is its own command (a multi-key ``TOUCH`` of keys in
+    different slots is refused): ``EXPIRE key ttl`` with ``refresh_ttl``, else
+    ``TOUCH key``; each answers 1 for a present key.
+    """
+
+    def __init__(
+        self, prefixes: Sequence[bytes], *, refresh_ttl: bool, ttl: bytes, hash_hex_len: int
+    ) -> None:
+        self.prefixes = tuple(prefixes)
+        self.replies = len(self.prefixes)
+        self.hash_hex_len = hash_hex_len
+        n = hash_hex_len
+        if refresh_ttl:
+            tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+            self._heads = tuple(keyed_head(b"EXPIRE", 3, p, n) for p in self.prefixes)
+        else:
+            tail = b"\r\n"
+            self._heads = tuple(keyed_head(b"TOUCH", 2, p, n) for p in self.prefixes)
+        self._tail = tail
+
+    def encode(self, hash_hex: bytes) -> SlottedBlock:
+        """The block's commands and slots, for a hash of the length given at construction."""
+        if len(hash_hex) != self.hash_hex_len:
+            raise ValueError(
+                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
+            )
+        tail = hash_hex + self._tail
+        return SlottedBlock(
+            tuple(h + tail for h in self._heads),
+            tuple(key_slot(p + hash_hex) for p in self.prefixes),
+        )
