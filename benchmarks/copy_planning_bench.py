@@ -26,7 +26,7 @@ import torch
 from umbp_redis.data import KVLayoutPlanner, StagingCopyPlan
 from umbp_redis.engine.copy.cuda_copy import chunk_table, launch_entries
 from umbp_redis.engine.copy.torch_copy import (
-    CpuBlockCopier,
+    KVStorageRanges,
     TorchBlockCopier,
     consecutive_sequences,
 )
@@ -138,7 +138,7 @@ def copy_rates(
     size = template.object_size
     pool = StagingPool(size, batch * size)
     copier = TorchBlockCopier(caches, {0: template}, pool, planner.num_blocks)
-    reference = CpuBlockCopier(caches)
+    reference = KVStorageRanges(caches)
     slots = tuple(range(batch))
     plan = StagingCopyPlan((0,) * batch, blocks, slots)
     ranges = [template.ranges_for(b) for b in blocks]

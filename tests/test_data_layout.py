@@ -12,7 +12,7 @@ from layout_cases import fill_random, page_bytes, zeroed_clone
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from umbp_redis.data import KVLayoutError, KVLayoutPlanner, KVRange
-from umbp_redis.engine.copy.torch_copy import CpuBlockCopier, PlanOutOfBounds
+from umbp_redis.engine.copy.torch_copy import KVStorageRanges, PlanOutOfBounds
 
 
 def _round_trip(cfg, caches, num_blocks, src_block=3, dst_block=5):  # type: ignore[no-untyped-def]
@@ -22,7 +22,7 @@ def _round_trip(cfg, caches, num_blocks, src_block=3, dst_block=5):  # type: ign
     layout = planner.layout(0)
     plan = planner.plan_for_block("k", src_block, bases)
     staging = torch.zeros(layout.object_size, dtype=torch.uint8)
-    CpuBlockCopier(caches).gather(plan, staging)
+    KVStorageRanges(caches).gather(plan, staging)
     # The object is every layer's page, in layer order, in memory order.
     expected = torch.cat(
         [page_bytes(caches[n], src_block, num_blocks) for n in cfg.kv_cache_groups[0].layer_names]
@@ -34,7 +34,7 @@ def _round_trip(cfg, caches, num_blocks, src_block=3, dst_block=5):  # type: ign
     bases2 = planner2.register_kv_caches(other)
     assert planner2.layout(0).fingerprint == layout.fingerprint
     plan2 = planner2.plan_for_block("k", dst_block, bases2)
-    CpuBlockCopier(other).scatter(plan2, staging)
+    KVStorageRanges(other).scatter(plan2, staging)
     for name in cfg.kv_cache_groups[0].layer_names:
         assert torch.equal(
             page_bytes(other[name], dst_block, num_blocks),
@@ -197,6 +197,6 @@ def test_plan_rejects_bad_block_and_copier_rejects_foreign_ranges() -> None:
     bad = planner.plan_for_block("k", 1, {n: a + 10**9 for n, a in bases.items()})
     staging = torch.zeros(planner.layout(0).object_size, dtype=torch.uint8)
     with pytest.raises(PlanOutOfBounds):
-        CpuBlockCopier(caches).gather(bad, staging)
+        KVStorageRanges(caches).gather(bad, staging)
     with pytest.raises(ValueError, match="staging"):
-        CpuBlockCopier(caches).gather(planner.plan_for_block("k", 1, bases), staging[:10])
+        KVStorageRanges(caches).gather(planner.plan_for_block("k", 1, bases), staging[:10])

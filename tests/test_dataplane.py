@@ -175,10 +175,14 @@ def test_store_then_load_is_byte_exact_with_ttl(plane: RedisDataPlane, redis_url
         assert np.array_equal(src, dst)
 
 
-def test_store_custom_ttl(plane: RedisDataPlane, redis_url: str) -> None:
+def test_store_takes_the_ttl_seconds_option(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     k = keys_for(1)[0]
-    plane.store([(k, payloads(1, 100)[0])], FP, ttl_seconds=60)
+    short = make_plane(redis_url, ttl_seconds=60)
+    try:
+        short.store([(k, payloads(1, 100)[0])], FP)
+    finally:
+        short.close()
     assert 0 < r.ttl(k) <= 60
 
 
@@ -199,21 +203,6 @@ def test_store_sends_staging_memory_without_copies(
     for i, mv in enumerate(seen):
         assert np.shares_memory(np.asarray(mv), src[i])  # a view of the staging row
         assert mv.nbytes == body_length(65536)
-
-
-def test_skip_existing_does_not_resend(plane: RedisDataPlane, redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_url)
-    keys = keys_for(4)
-    first = payloads(4, 4096, seed=1)
-    plane.store([(keys[0], first[0]), (keys[2], first[2])], FP, ttl_seconds=100)
-    second = payloads(4, 4096, seed=2)
-    st = plane.store(list(zip(keys, second, strict=True)), FP, skip_existing=True)
-    assert st == [StoreStatus.EXISTS, StoreStatus.STORED, StoreStatus.EXISTS, StoreStatus.STORED]
-    assert r.ttl(keys[0]) > 100  # re-armed
-    dst = np.zeros_like(first)
-    plane.load([(k, memoryview(dst[i])) for i, k in enumerate(keys)], FP)
-    assert np.array_equal(dst[0], first[0]) and np.array_equal(dst[1], second[1])
-    assert plane.stats.snapshot()["store_skipped"] == 2
 
 
 def test_memory_footprint_within_2_percent(redis_url: str) -> None:

@@ -100,7 +100,7 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
     import torch
 
     from umbp_redis.data import BlockIdentityCodec, KVLayoutPlanner, RankTopology
-    from umbp_redis.engine.copy.torch_copy import CpuBlockCopier
+    from umbp_redis.engine.copy.torch_copy import KVStorageRanges
     from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
     from umbp_redis.store.settings import RedisSettings
 
@@ -120,7 +120,7 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
     layout = planner.layout(0)
     staging = torch.zeros((num_blocks, layout.object_size), dtype=torch.uint8)
     plans = [planner.plan_for_block(codec.key(h, 0), b, bases) for b, h in enumerate(hashes)]
-    copier = CpuBlockCopier(src)
+    copier = KVStorageRanges(src)
     t0 = time.perf_counter()
     for i, p in enumerate(plans):
         copier.gather(p, staging[i])
@@ -141,7 +141,7 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
         [(p.key, memoryview(rows2[i])) for i, p in enumerate(plans2)],
         planner2.layout(0).fingerprint,
     )
-    copier2 = CpuBlockCopier(dst)
+    copier2 = KVStorageRanges(dst)
     for i, p in enumerate(plans2):
         if loaded[i] is LoadStatus.LOADED:
             copier2.scatter(p, staging2[i])

@@ -471,8 +471,6 @@ class ClusterDataPlane:
         items: Sequence[tuple[str | bytes, Buffer]],
         fingerprint: bytes,
         *,
-        skip_existing: bool = False,
-        ttl_seconds: int | None = None,
         parts: Sequence[int] | None = None,
     ) -> list[StoreStatus]:
         """Write each (key, payload) on its master with a TTL; per-key status, in order
@@ -484,8 +482,6 @@ class ClusterDataPlane:
             lambda plane, sub, asking, _idx: plane.store_raw(
                 sub,
                 fingerprint,
-                skip_existing=skip_existing,
-                ttl_seconds=ttl_seconds,
                 asking=asking,
                 parts=parts,
             ),

@@ -57,8 +57,6 @@ class DataPlane(Protocol):
         items: Sequence[tuple[str | bytes, Buffer]],
         fingerprint: bytes,
         *,
-        skip_existing: bool = False,
-        ttl_seconds: int | None = None,
         parts: Sequence[int] | None = None,
     ) -> list[StoreStatus]:
         """Per-key store outcome, in order; ``parts`` splits each value (see
@@ -272,17 +270,13 @@ class PendingPlane:
         items: Sequence[tuple[str | bytes, Buffer]],
         fingerprint: bytes,
         *,
-        skip_existing: bool = False,
-        ttl_seconds: int | None = None,
         parts: Sequence[int] | None = None,
     ) -> list[StoreStatus]:
         """The inner plane's stores; all ``ERROR`` while pending."""
         inner = self._inner
         if inner is None:
             return [StoreStatus.ERROR] * len(items)
-        return inner.store(
-            items, fingerprint, skip_existing=skip_existing, ttl_seconds=ttl_seconds, parts=parts
-        )
+        return inner.store(items, fingerprint, parts=parts)
 
     def load(
         self,

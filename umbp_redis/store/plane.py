@@ -83,7 +83,6 @@ class StoreStatus(enum.Enum):
     """Outcome of storing one key."""
 
     STORED = "stored"
-    EXISTS = "exists"  # skipped: the key was already there (its TTL was re-armed)
     OOM = "oom"
     ERROR = "error"
 
@@ -99,7 +98,6 @@ class DataPlaneStats:
     lookup_hits: int = 0
     stored_objects: int = 0
     stored_bytes: int = 0
-    store_skipped: int = 0
     store_failures: int = 0
     loaded_objects: int = 0
     loaded_bytes: int = 0
@@ -135,7 +133,6 @@ def record_stores(
     stats.add(
         stored_objects=len(stored),
         stored_bytes=sum(stored),
-        store_skipped=sum(s is StoreStatus.EXISTS for s in statuses),
         store_failures=sum(s in (StoreStatus.ERROR, StoreStatus.OOM) for s in statuses),
     )
 
@@ -449,24 +446,19 @@ class RedisDataPlane:
         items: Sequence[tuple[str | bytes, Buffer]],
         fingerprint: bytes,
         *,
-        skip_existing: bool = False,
-        ttl_seconds: int | None = None,
         parts: Sequence[int] | None = None,
     ) -> list[StoreStatus]:
-        """Write each (key, payload) with a TTL; per-key status, in order.
+        """Write each (key, payload) with the ``ttl_seconds`` TTL; per-key status, in order.
 
         A key is written with its TTL or not at all (one transaction per object).
         The payload buffers are read during the call only and are sent as memoryviews
-        (no copy). With ``skip_existing`` one extra round trip first re-arms the TTL of
-        keys already present and their values are not sent again. ``parts`` (lengths
+        (no copy). ``parts`` (lengths
         adding up to every payload's) writes each value in that many body fields
         (``value_format`` version 3), so it can be loaded a part at a time.
         """
         if not items:
             return []
-        raw = self.store_raw(
-            items, fingerprint, skip_existing=skip_existing, ttl_seconds=ttl_seconds, parts=parts
-        )
+        raw = self.store_raw(items, fingerprint, parts=parts)
         done = [StoreStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
         record_stores(self.stats, items, done)
         return done
@@ -476,8 +468,6 @@ class RedisDataPlane:
         items: Sequence[tuple[str | bytes, Buffer]],
         fingerprint: bytes,
         *,
-        skip_existing: bool = False,
-        ttl_seconds: int | None = None,
         asking: bool = False,
         parts: Sequence[int] | None = None,
     ) -> list[StoreStatus | RedisRedirectError]:
@@ -485,46 +475,15 @@ class RedisDataPlane:
         (for the cluster client); with ``asking`` each object is preceded by ``ASKING``."""
         if not items:
             return []
-        ttl = str(int(ttl_seconds)).encode() if ttl_seconds else self._ttl
-        statuses: list[StoreStatus | RedisRedirectError | None] = [None] * len(items)
-        todo = list(range(len(items)))
-        if skip_existing:
-            present = self._expire_existing([items[i][0] for i in todo], ttl, asking)
-            if present is None:
-                return [StoreStatus.ERROR] * len(items)
-            for i, p in zip(list(todo), present, strict=True):
-                if p:
-                    statuses[i] = StoreStatus.EXISTS
-            todo = [i for i in todo if statuses[i] is None]
-        views = [memoryview(items[i][1]).cast("B") for i in todo]
-        total = sum(v.nbytes for v in views)
-        sub = [(_key_bytes(items[i][0]), views[j]) for j, i in enumerate(todo)]
+        views = [memoryview(payload).cast("B") for _, payload in items]
+        sub = [(_key_bytes(key), view) for (key, _), view in zip(items, views, strict=True)]
         error: StoreStatus | RedisRedirectError = StoreStatus.ERROR
-        results = self._fan_out(
+        return self._fan_out(
             len(sub),
-            total,
-            lambda rng: self._store_range(sub, rng, fingerprint, ttl, asking, parts),
+            sum(v.nbytes for v in views),
+            lambda rng: self._store_range(sub, rng, fingerprint, self._ttl, asking, parts),
             error,
         )
-        for i, st in zip(todo, results, strict=True):
-            statuses[i] = st
-        return [s for s in statuses if s is not None]
-
-    def _expire_existing(
-        self, keys: Sequence[str | bytes], ttl: bytes, asking: bool = False
-    ) -> list[bool] | None:
-        pre = ASKING if asking else b""
-        buf = b"".join(pre + expire_command(_key_bytes(k), ttl) for k in keys)
-        try:
-            replies = self._int_round_trip(buf, len(keys) * (2 if asking else 1), ok_replies=asking)
-        except RedisDataPlaneError as e:
-            log.debug("existence check before store failed: %s", e)
-            return None
-        if asking:
-            replies = replies[1::2]
-        if any(isinstance(r, ErrorReply) for r in replies):
-            return None
-        return [r == 1 for r in replies]
 
     def _store_range(
         self,

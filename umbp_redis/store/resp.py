@@ -323,13 +323,6 @@ class ReplyReader:
         return out
 
 
-def raise_if_error(reply: Any) -> Any:
-    """Return ``reply``, or raise its typed exception if it is an error reply."""
-    if isinstance(reply, ErrorReply):
-        raise reply.exc
-    return reply
-
-
 def send_buffers(
     sock: socket.socket,
     buffers: Sequence[Buffer],

@@ -2,7 +2,7 @@
 
 A plan's ranges name raw engine addresses; this module maps each address back to the
 registered KV storage it lies in, and copies through bounds-checked ``uint8`` views,
-so a wrong plan raises instead of touching foreign memory. ``CpuBlockCopier`` runs one
+so a wrong plan raises instead of touching foreign memory. ``KVStorageRanges`` runs one
 ``BlockTransferPlan`` range by range (the reference); ``TorchBlockCopier`` is the
 ``BlockCopier`` the worker uses on CPU (and on CUDA without CuPy): it lowers batches
 through the same range templates as the GPU kernel, merged into strided runs, so a
@@ -32,8 +32,10 @@ class PlanOutOfBounds(ValueError):
     """A plan range does not lie inside any registered KV storage."""
 
 
-class CpuBlockCopier:
-    """Gather engine blocks into staging bytes and scatter them back, per plan."""
+class KVStorageRanges:
+    """The engine's registered KV storages, addressed by engine byte ranges: finds the
+    storage a range lies in (bounds-checked views) and copies a plan's ranges between
+    it and staging bytes one range at a time (the reference copy)."""
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         spans: dict[int, torch.Tensor] = {}
@@ -95,16 +97,6 @@ class CpuBlockCopier:
                 staging[r.object_offset : r.object_offset + r.length]
             )
 
-    def gather_many(self, plans: Iterable[tuple[BlockTransferPlan, torch.Tensor]]) -> None:
-        """``gather`` for each (plan, staging) pair."""
-        for plan, staging in plans:
-            self.gather(plan, staging)
-
-    def scatter_many(self, plans: Iterable[tuple[BlockTransferPlan, torch.Tensor]]) -> None:
-        """``scatter`` for each (plan, staging) pair."""
-        for plan, staging in plans:
-            self.scatter(plan, staging)
-
     @staticmethod
     def _check_staging(plan: BlockTransferPlan, staging: torch.Tensor) -> None:
         if staging.dtype != torch.uint8 or staging.numel() < plan.object_size:
@@ -143,7 +135,7 @@ class TorchBlockCopier:
         staging: StagingPool,
         num_blocks: int,
     ) -> None:
-        ranges = CpuBlockCopier(kv_caches)
+        ranges = KVStorageRanges(kv_caches)
         self._object_sizes = {gid: t.object_size for gid, t in templates.items()}
         self._staging = staging
         self._num_blocks = num_blocks
@@ -233,7 +225,7 @@ def consecutive_sequences(
 
 
 def _bind_runs(
-    ranges: CpuBlockCopier, template: KVRangeTemplate, num_blocks: int
+    ranges: KVStorageRanges, template: KVRangeTemplate, num_blocks: int
 ) -> list[_BoundRun]:
     """The template's runs located in the KV storage for every block id; a run that no
     one storage holds is split into its ranges. Raises ``PlanOutOfBounds`` for a range
