@@ -18,7 +18,7 @@ load time, from the worker's counters) against ``umbp_gbps`` of the data-plane
 benchmark on 2 MiB objects in the same run (goal >= 0.8x).
 
 Usage: .venv/bin/python benchmarks/warm_ttft_bench.py [--prompts 3] [--words 3000] [--reps 5]
-       [--compare {staging,staging-batch,python-gil,no-idle-wait,async,sync,whole-sync,inherit}]
+       [--compare {staging,staging-batch,python-gil,async,sync,whole-sync,two-connections}]
        [--busy N] [--executor {inproc,mp}] [--bind {vllm,none}]
 
 ``--compare staging-batch`` makes ``redis`` load through staging too (copying each
@@ -57,14 +57,19 @@ def vllm_omp_binding(reserved: int) -> dict[str, str]:
     return omp_binding_env(cpus[:-reserved] if len(cpus) > reserved else cpus)
 
 
-def _setup_worker(self: Any, direct: bool, overlap: bool | None) -> None:
+def _setup_worker(
+    self: Any, direct: bool, overlap: bool | None, attrs: dict[str, Any] | None = None
+) -> None:
     """Run in the worker process (``collective_rpc``; ``self`` is vLLM's worker): set the
-    connector worker's load path and count its load counters from now on."""
+    connector worker's load path (and ``attrs``, internal settings of the worker) and
+    count its load counters from now on."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker: Any = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
     worker.loader.direct_loads = direct
     worker.loader.scatter_as_loaded = overlap
+    for name, value in (attrs or {}).items():
+        setattr(worker, name, value)
     totals: dict[str, float] = {}
     add = worker.stats.add
 
@@ -120,7 +125,12 @@ def serve(spec: dict[str, Any]) -> None:
     )
     if kw:
         llm.collective_rpc(
-            _setup_worker, args=(bool(spec.get("direct", True)), spec.get("scatter_as_loaded"))
+            _setup_worker,
+            args=(
+                bool(spec.get("direct", True)),
+                spec.get("scatter_as_loaded"),
+                spec.get("worker_attrs"),
+            ),
         )
     one = SamplingParams(max_tokens=1, temperature=0.0)
     print(json.dumps({"ready": True}), flush=True)
@@ -200,6 +210,7 @@ class Engine:
         direct: bool = True,
         extra: dict[str, Any] | None = None,
         overlap: bool | None = None,
+        worker_attrs: dict[str, Any] | None = None,
     ) -> None:
         spec = json.dumps(
             {
@@ -208,6 +219,7 @@ class Engine:
                 "direct": direct,
                 "scatter_as_loaded": overlap,
                 "extra": extra or {},
+                "worker_attrs": worker_attrs or {},
                 "executor": EXECUTOR["name"],
             }
         )
@@ -265,24 +277,21 @@ def main() -> None:
             "staging",
             "staging-batch",
             "python-gil",
-            "no-idle-wait",
             "async",
             "sync",
             "whole-sync",
-            "inherit",
             "two-connections",
         ),
         default="none",
         help="also run a third engine: one that loads through staging and scatter (the "
         "path before loads received straight into host KV caches), or one that leaves "
-        "Python's 5 ms thread switch interval (gil_switch_interval_ms: 0), or one whose "
-        "scheduler never waits in idle steps (idle_wait_ms: 0), or one that loads every "
+        "Python's 5 ms thread switch interval (the worker's load_switch_interval_ms set "
+        "to 0), or one that loads every "
         "hit async (load_async: true) or sync (false: by layer where it can) where the "
         "default (auto) chooses by size; whole-sync: every hit sync and whole, before the "
-        "forward pass (load_by_layer: false); staging-batch: redis loads through staging "
-        "copying each window as it arrives, the third engine through staging copying after "
-        "the whole batch; inherit: "
-        "transfer threads stay on the CPUs they start on (transfer_cpus: inherit); "
+        "forward pass (the worker's load_by_layer off); staging-batch: redis loads through "
+        "staging copying each window as it arrives, the third engine through staging "
+        "copying after the whole batch; "
         "two-connections: loads spread over two connections (transfer_connections: 2; "
         "auto takes 1 below 4 CPUs)",
     )
@@ -350,23 +359,22 @@ def main() -> None:
             staged = Engine(model, server.url, work / "other.log", direct=False)
         elif args.compare == "python-gil":
             staged = Engine(
-                model, server.url, work / "other.log", extra={"gil_switch_interval_ms": 0}
+                model, server.url, work / "other.log", worker_attrs={"load_switch_interval_ms": 0}
             )
-        elif args.compare == "no-idle-wait":
-            staged = Engine(model, server.url, work / "other.log", extra={"idle_wait_ms": 0})
         elif args.compare in ("async", "sync"):
             mode = {"load_async": args.compare == "async"}
             staged = Engine(model, server.url, work / "other.log", extra=mode)
         elif args.compare == "whole-sync":
-            whole = {"load_async": False, "load_by_layer": False}
-            staged = Engine(model, server.url, work / "other.log", extra=whole)
+            staged = Engine(
+                model,
+                server.url,
+                work / "other.log",
+                extra={"load_async": False},
+                worker_attrs={"load_by_layer": False},
+            )
         elif args.compare == "two-connections":
             staged = Engine(
                 model, server.url, work / "other.log", extra={"transfer_connections": 2}
-            )
-        elif args.compare == "inherit":
-            staged = Engine(
-                model, server.url, work / "other.log", extra={"transfer_cpus": "inherit"}
             )
         local.ready()
         redis.ready()

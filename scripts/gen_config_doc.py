@@ -52,7 +52,8 @@ TAIL = """
 
 ## Tuning notes
 
-- `max_inflight_bytes` bounds the replies one connection has asked for but not read. Redis
+- Each connection keeps at most 1 MiB of replies asked for but not read (not an option:
+  `RedisSettings.max_inflight_bytes`). Redis
   buffers them in its client output buffer, which counts toward `maxmemory` and can get the
   client disconnected by `client-output-buffer-limit`; small windows were also measured to be
   faster here (the server's reply buffers stay warm). Half of it is sent before the

@@ -10,6 +10,7 @@ import pytest
 from umbp_redis.engine.options import (
     CONNECTOR_OPTIONS,
     ENGINE_OPTIONS,
+    REMOVED_OPTIONS,
     EngineOptions,
     parse_connector_options,
 )
@@ -155,8 +156,12 @@ def test_options_take_true_and_false_as_words_and_both_halves_parse_once() -> No
     assert parse_connector_options({"cluster": True})[0].cluster == "on"
     with pytest.raises(ConfigError, match=r"\['cluster'\] must be one of"):
         parse_connector_options({"cluster": "on"})
-    with pytest.raises(ConfigError, match=r"\['load_by_layer'\] must be bool"):
-        parse_connector_options({"load_by_layer": "yes"})
+    with pytest.raises(ConfigError, match=r"\['checksum'\] must be bool"):
+        parse_connector_options({"checksum": "yes"})
+    # Options taken off the surface are refused with what replaced them.
+    for name in REMOVED_OPTIONS:
+        with pytest.raises(ConfigError, match=rf"\['{name}'\] is no longer an option: use"):
+            parse_connector_options({name: 1})
     # Unknown keys are refused by name, whichever half they look like.
     with pytest.raises(ConfigError, match=r"unknown .*\['sync_load_max_byte'\]"):
         parse_connector_options({"sync_load_max_byte": 1})

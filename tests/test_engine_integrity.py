@@ -178,7 +178,7 @@ def test_new_weights_at_the_same_path_share_nothing_and_hot_prefixes_stay(
         work,
         "new_weights",
         model_dir,
-        connector(url, max_inflight_bytes=256 << 10),
+        connector(url),
         phases,
     )
     # New weights: nothing of the old namespace loaded, a namespace of its own.

@@ -102,7 +102,7 @@ def test_configs_variants_and_the_ideal_cache_size() -> None:
             24,
             96,
             small_redis=True,
-            variants=[parse_variant("gil:gil_switch_interval_ms=0")],
+            variants=[parse_variant("gil:sync_load_max_bytes=0")],
         )
     ]
     assert names == [

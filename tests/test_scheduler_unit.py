@@ -561,7 +561,8 @@ def test_a_failing_hook_is_a_miss_not_an_exception(
 
 
 def test_pins_without_a_report_are_released_after_the_bound(model_config: ModelConfig) -> None:
-    s = make_scheduler(model_config, ScriptedDataPlane(), store_report_timeout_s=1.0)
+    s = make_scheduler(model_config, ScriptedDataPlane())
+    s.pins.report_timeout_s = 1.0
     pool = FakeBlockPool(32)
     s.bind_block_pool(pool)
     req = request(2 * BS + 40)
@@ -996,7 +997,9 @@ def test_idle_steps_wait_briefly_only_while_loads_are_in_flight(
     for wait_ms in (1.0, 0):
         slept.clear()
         plane = ScriptedDataPlane()
-        s = make_scheduler(model_config, plane, idle_wait_ms=wait_ms)
+        s = make_scheduler(model_config, plane)
+        assert s.idle_wait_s == sched_mod.IDLE_WAIT_S == 0.001
+        s.idle_wait_s = wait_ms / 1e3  # 0: no wait
         pool = FakeBlockPool(32)
         s.bind_block_pool(pool)
         req = request(3 * BS + 40)
@@ -1102,8 +1105,8 @@ def test_auto_load_mode_loads_larger_hits_in_the_step_where_every_worker_loads_b
         plane,
         load_async="auto",
         sync_load_max_bytes=block_bytes,
-        layer_load_max_bytes=4 * block_bytes,
     )
+    s.load_policy.layer_load_max_bytes = 4 * block_bytes
     req = request(6 * BS + 10)
     assert s.codec is not None
     plane.present = {s.codec.key(h, 0) for h in req.block_hashes}

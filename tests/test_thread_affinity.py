@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from umbp_redis.engine.options import parse_connector_options
 from umbp_redis.store import thread_affinity
 from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane
@@ -31,9 +32,12 @@ def test_cpu_lists_parse_and_bad_ones_name_the_option() -> None:
         with pytest.raises(ValueError):
             parse_cpu_list(bad)
     for ok in ("auto", "inherit", "0-1"):
-        assert RedisSettings.from_options({"transfer_cpus": ok}).transfer_cpus == ok
-    with pytest.raises(ConfigError, match=r"\['transfer_cpus'\] must be 'auto', 'inherit'"):
-        RedisSettings.from_options({"transfer_cpus": "cores"})
+        assert RedisSettings.from_url("redis://h:1", transfer_cpus=ok).transfer_cpus == ok
+    with pytest.raises(ConfigError, match=r"transfer_cpus must be 'auto', 'inherit'"):
+        RedisSettings.from_url("redis://h:1", transfer_cpus="cores")
+    # Not an option: the connector's config refuses it, naming what it does instead.
+    with pytest.raises(ConfigError, match=r"transfer_cpus.*no longer an option.*NUMA"):
+        parse_connector_options({"transfer_cpus": "inherit"})
     with pytest.raises(ConfigError, match="transfer_cpus"):
         ThreadPinner("0-x")
 

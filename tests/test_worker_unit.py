@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -36,13 +37,21 @@ def model_config(tiny_model: Path) -> ModelConfig:
 
 
 def make_worker(  # type: ignore[no-untyped-def]
-    model_config: ModelConfig, url: str, heads: int = 2, **extra
+    model_config: ModelConfig,
+    url: str,
+    heads: int = 2,
+    max_inflight_bytes: int | None = None,
+    **extra,
 ) -> tuple[UMBPWorker, dict]:  # type: ignore[type-arg]
+    """A worker on ``url`` with these connector options (``max_inflight_bytes``, not
+    an option, set on its Redis settings)."""
     cfg = make_vllm_config(model_config, extra={"redis_url": url, **extra})
     kv, caches = vllm_layout_caches(
         KVCacheLayout.LBHNC, num_blocks=NB, spec=attn_spec(block_size=128, heads=heads)
     )
     settings, opts = parse_connector_options(ktc(cfg).kv_connector_extra_config)
+    if max_inflight_bytes is not None:
+        settings = dataclasses.replace(settings, max_inflight_bytes=max_inflight_bytes)
     w = UMBPWorker(cfg, kv, settings, opts, plane=open_plane(settings), ranks=(0, 0, 0))
     w.register_kv_caches(caches)
     return w, caches
@@ -876,7 +885,8 @@ def test_the_handshake_says_whether_sync_loads_run_by_layer(
     assert wide.handshake_metadata().loads_by_layer
     narrow, _ = make_worker(model_config, redis_url)  # 3 layers of 64 KiB: one part
     assert not narrow.handshake_metadata().loads_by_layer
-    off, _ = make_worker(model_config, redis_url, heads=WIDE, load_by_layer=False)
+    off, _ = make_worker(model_config, redis_url, heads=WIDE)
+    off.load_by_layer = False  # as after a forward pass skipped a layer's wait
     assert not off.handshake_metadata().loads_by_layer
     staged, _ = make_worker(model_config, redis_url, heads=WIDE)
     staged.loader.direct_loads = False  # loads through staging, as on a GPU

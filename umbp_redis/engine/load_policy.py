@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Where every worker loads by layer: the largest load (bytes per worker) that runs in the
+# step that computes its request (each layer waits only for its own part), instead of
+# making the request wait a step or more.
+LAYER_LOAD_MAX_BYTES = 128 << 20
+
 
 @dataclass
 class LoadPolicy:
@@ -19,10 +24,10 @@ class LoadPolicy:
 
     mode: str | bool
     sync_load_max_bytes: int
-    layer_load_max_bytes: int
     bytes_per_block: int  # one block's bytes on each worker, every layer and group
     sync_loads_possible: bool
     workers_load_by_layer: bool = False
+    layer_load_max_bytes: int = LAYER_LOAD_MAX_BYTES
 
     def loads_async(self, blocks: int) -> bool:
         """Whether a load of ``blocks`` blocks runs async."""

@@ -64,16 +64,6 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
-        "layer_load_max_bytes",
-        int,
-        128 * MiB,
-        "With load_async auto, where every worker loads by layer (load_by_layer, CPU "
-        "engines): the largest load (bytes per worker) that runs by layer in the step "
-        "that computes its request instead of making it wait a step or more. Keep its "
-        "load time well inside sync_load_timeout_s.",
-        minimum=0,
-    ),
-    Option(
         "sync_load_timeout_s",
         (int, float),
         0.5,
@@ -83,43 +73,10 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         minimum=0.001,
     ),
     Option(
-        "load_by_layer",
-        bool,
-        True,
-        "Run a sync load alongside the step's forward pass, a part (a few layers) of "
-        "every block at a time: each attention layer waits only until its own layers' "
-        "bytes are in (values stored in parts, see docs/architecture.md). Values are "
-        "still validated whole; a step whose sync load failed has its output for that "
-        "request discarded by vLLM and stores nothing. false: the whole load runs before "
-        "the forward pass.",
-    ),
-    Option(
         "save_decode_cache",
         bool,
         False,
         "Also store blocks completed by generated tokens, not only prompt blocks.",
-    ),
-    Option(
-        "gil_switch_interval_ms",
-        (int, float),
-        0.2,
-        "Python's thread switch interval (sys.setswitchinterval) the worker sets in its "
-        "process while loads are in flight, when it is longer (the setting it found is "
-        "restored when none is): vLLM's engine loop runs Python without pause while a "
-        "request waits for its load, and with Python's default of 5 ms each resumption of "
-        "a transfer thread after a socket read can wait that long (measured side by side on "
-        "CPU: loads 0.03 against 1.04 GB/s). 0 leaves Python's setting alone.",
-        minimum=0.0,
-    ),
-    Option(
-        "idle_wait_ms",
-        (int, float),
-        1.0,
-        "When a step schedules no tokens while loads are in flight, the scheduler waits "
-        "this long before handing the step back, so vLLM's engine loop does not spin and "
-        "take the CPU and Python's GIL from the transfers it waits for (at most this "
-        "long per idle step; 0: no wait).",
-        minimum=0.0,
     ),
     Option(
         "store_mode",
@@ -158,21 +115,6 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "(0: no quarantine). At most 65536 blocks are remembered.",
         minimum=0.0,
     ),
-    Option(
-        "store_report_timeout_s",
-        (int, float),
-        120.0,
-        "Blocks pinned for a store whose worker report never arrives are released after "
-        "this long (counted and logged).",
-        minimum=1.0,
-    ),
-    Option(
-        "shutdown_timeout_s",
-        (int, float),
-        5.0,
-        "How long shutdown waits for in-flight transfers.",
-        minimum=0.0,
-    ),
 )
 ENGINE_OPTIONS_BY_NAME = {o.name: o for o in ENGINE_OPTIONS}
 # Every option of kv_connector_extra_config, the store's first.
@@ -183,6 +125,34 @@ REMOVED_OPTIONS: dict[str, str] = {
     "enable_lookup": (
         'kv_transfer_config\'s "kv_role": "kv_producer" stores without looking up, '
         '"kv_consumer" looks up and loads without storing'
+    ),
+    "load_by_layer": (
+        "nothing: a sync load runs alongside the forward pass wherever the engine allows "
+        "it (host KV caches, values in parts); load_async and sync_load_max_bytes choose "
+        "how hits load"
+    ),
+    "layer_load_max_bytes": (
+        "nothing: where every worker loads by layer, loads of up to 128 MiB per worker run "
+        "in the step that computes their request"
+    ),
+    "gil_switch_interval_ms": (
+        "nothing: the worker shortens Python's switch interval to 0.2 ms while loads are in flight"
+    ),
+    "idle_wait_ms": (
+        "nothing: the scheduler waits 1 ms in a step with nothing to compute but loads in flight"
+    ),
+    "transfer_cpus": (
+        "nothing: transfer threads run on every CPU of the worker's NUMA node no other "
+        "rank's forward pass is bound to"
+    ),
+    "max_inflight_bytes": "nothing: each connection keeps at most 1 MiB of replies unread",
+    "store_report_timeout_s": (
+        "nothing: blocks of a store whose report never comes are released after 120 s "
+        "(vllm:umbp_stale_pins_released_total counts them)"
+    ),
+    "shutdown_timeout_s": (
+        "nothing: shutdown waits up to 5 s for transfers in flight (each is bounded by "
+        "op_timeout_s)"
     ),
 }
 
@@ -200,18 +170,12 @@ class EngineOptions:
     lookup_async: bool = _default("lookup_async")
     load_async: str | bool = _default("load_async")  # "auto", True or False
     sync_load_max_bytes: int = _default("sync_load_max_bytes")
-    layer_load_max_bytes: int = _default("layer_load_max_bytes")
     sync_load_timeout_s: float = _default("sync_load_timeout_s")
-    load_by_layer: bool = _default("load_by_layer")
     save_decode_cache: bool = _default("save_decode_cache")
-    gil_switch_interval_ms: float = _default("gil_switch_interval_ms")
-    idle_wait_ms: float = _default("idle_wait_ms")
     store_mode: str = _default("store_mode")
     max_staging_bytes: int = _default("max_staging_bytes")
     copy_backend: str = _default("copy_backend")
     load_failure_quarantine_s: float = _default("load_failure_quarantine_s")
-    store_report_timeout_s: float = _default("store_report_timeout_s")
-    shutdown_timeout_s: float = _default("shutdown_timeout_s")
 
     @classmethod
     def from_options(cls, extra: Mapping[str, Any] | None) -> EngineOptions:

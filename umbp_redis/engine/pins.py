@@ -11,6 +11,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# A store event whose reports did not all come within this long is released.
+STORE_REPORT_TIMEOUT_S = 120.0
+
 
 @dataclass
 class _PinnedStore:
@@ -33,7 +36,7 @@ class BlockPins:
     def __init__(
         self,
         num_workers: int,
-        report_timeout_s: float,
+        report_timeout_s: float = STORE_REPORT_TIMEOUT_S,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -87,8 +90,8 @@ class BlockPins:
             return
         if self.stale_released == 0:
             log.warning(
-                "umbp-redis: %d store events had no worker report within "
-                "store_report_timeout_s=%.0fs; their blocks are released",
+                "umbp-redis: %d store events had no worker report within %.0fs; their "
+                "blocks are released (vllm:umbp_stale_pins_released_total)",
                 len(stale),
                 self.report_timeout_s,
             )

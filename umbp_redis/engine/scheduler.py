@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
+# How long a step with nothing to compute but loads in flight waits before it hands
+# the step back: vLLM's engine loop would otherwise spin and take the CPU and the GIL
+# from the transfers (measured: docs/performance.md, warm loads, run 4).
+IDLE_WAIT_S = 0.001
+
 # Block hash algorithms of vLLM that are not collision resistant against crafted input.
 _WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
 
@@ -162,7 +167,6 @@ class UMBPScheduler:
         self.load_policy = LoadPolicy(
             mode=options.load_async,
             sync_load_max_bytes=options.sync_load_max_bytes,
-            layer_load_max_bytes=options.layer_load_max_bytes,
             bytes_per_block=sum(
                 int(groups[g].kv_cache_spec.page_size_bytes) * len(groups[g].layer_names)
                 for g in self.groups
@@ -175,7 +179,7 @@ class UMBPScheduler:
                 "and vLLM can recompute a failed load of such a model only if it was async",
                 len(groups),
             )
-        self.idle_wait_s = options.idle_wait_ms / 1e3
+        self.idle_wait_s = IDLE_WAIT_S
         self.idle_waits = 0  # idle steps that waited for loads in flight
         self.replicated = tp_replicated_group_ids(kv_cache_config, self.topology)
         configured = UMBPNamespace.configured(vllm_config)
@@ -198,7 +202,7 @@ class UMBPScheduler:
             lookup_async=options.lookup_async,
         )
         self.num_workers = self.topology.num_rank_namespaces
-        self.pins = BlockPins(self.num_workers, options.store_report_timeout_s)
+        self.pins = BlockPins(self.num_workers)
         # KV cache events (only with vLLM's --kv-events-config).
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.events = (
@@ -282,7 +286,7 @@ class UMBPScheduler:
         if policy.workers_load_by_layer and policy.mode == "auto":
             log.info(
                 "umbp-redis: the workers load by layer: loads of at most %d bytes per worker "
-                "run alongside the step's forward pass (layer_load_max_bytes)",
+                "run alongside the step's forward pass",
                 policy.layer_load_max_bytes,
             )
         ns = spaces.pop()
@@ -394,7 +398,7 @@ class UMBPScheduler:
             and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         ):
             # Nothing to compute but loads in flight: a spinning engine loop would take
-            # the CPU and the GIL from them. Bounded by idle_wait_ms per step.
+            # the CPU and the GIL from them. IDLE_WAIT_S per such step.
             self.idle_waits += 1
             time.sleep(self.idle_wait_s)
         self.stores.start_step()

@@ -167,7 +167,7 @@ COUNTERS: tuple[Counter, ...] = (
     Counter(
         "sync_loads",
         "Loads run in the step that computes their request (load_async false, or auto "
-        "and at most sync_load_max_bytes, or layer_load_max_bytes by layer).",
+        "and at most sync_load_max_bytes, or 128 MiB where workers load by layer).",
         "nonzero",
         "worker",
     ),
@@ -230,14 +230,14 @@ COUNTERS: tuple[Counter, ...] = (
     Counter(
         "idle_waits",
         "Engine steps with nothing to compute but loads in flight, in which the "
-        "scheduler waited idle_wait_ms.",
+        "scheduler waited 1 ms.",
         "nonzero",
         "scheduler",
     ),
     Counter(
         "stale_pins_released",
-        "Store events whose worker reports did not come within store_report_timeout_s; "
-        "their blocks were released.",
+        "Store events whose worker reports did not come within 120 s; their blocks "
+        "were released.",
         "nonzero",
         "scheduler",
     ),

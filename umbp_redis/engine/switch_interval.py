@@ -8,6 +8,10 @@ import threading
 
 log = logging.getLogger(__name__)
 
+# The interval while loads are in flight: measured on CPU engines, loads at 0.03 GB/s
+# with Python's 5 ms against 1.04 GB/s at 0.2 ms (docs/performance.md, warm loads).
+LOAD_SWITCH_INTERVAL_MS = 0.2
+
 
 class LoadSwitchInterval:
     """Python's thread switch interval, shortened while loads are in flight, process-wide.
@@ -39,7 +43,7 @@ class LoadSwitchInterval:
                     self._logged = True
                     log.info(
                         "umbp-redis: Python's thread switch interval is %.2f ms while loads "
-                        "are in flight (%.2f ms otherwise; gil_switch_interval_ms)",
+                        "are in flight (%.2f ms otherwise)",
                         ms,
                         current * 1e3,
                     )

@@ -44,7 +44,7 @@ from umbp_redis.engine.layer_gate import LayerGate
 from umbp_redis.engine.options import EngineOptions
 from umbp_redis.engine.staging import StagingPool, staging_budget
 from umbp_redis.engine.stats import COUNTERS, NODE_FAILURES_PREFIX, STORE_COUNTERS, StatsRecorder
-from umbp_redis.engine.switch_interval import LOAD_SWITCH_INTERVAL
+from umbp_redis.engine.switch_interval import LOAD_SWITCH_INTERVAL, LOAD_SWITCH_INTERVAL_MS
 from umbp_redis.engine.weights import weights_fingerprint
 from umbp_redis.engine.worker_ledger import WorkerLedger
 from umbp_redis.store.deployment import DataPlane, shared_plane
@@ -57,6 +57,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+
+# How long shutdown waits for transfers in flight (each is bounded by op_timeout_s).
+SHUTDOWN_TIMEOUT_S = 5.0
 
 # Seconds past a load-by-layer's deadline the end of the step waits for its thread.
 LAYER_LOAD_JOIN_GRACE_S = 1.0
@@ -124,7 +127,7 @@ class UMBPWorker:
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load", initializer=pin)
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store", initializer=pin)
         # Sync loads run alongside the forward pass, a part of every block at a time.
-        self.load_by_layer = options.load_by_layer
+        self.load_by_layer = True  # off once the forward pass skipped a layer's wait
         self._layer_loads = ThreadPoolExecutor(4, thread_name_prefix="umbp-layers", initializer=pin)
         self._step_gates: list[tuple[LayerGate, Any, BlockLoadBatch]] = []
         self._layer_part: dict[str, tuple[int, int]] = {}  # layer -> (group, part)
@@ -158,7 +161,7 @@ class UMBPWorker:
             can_store=self.can_store,
         )
         self.sync_load_timeout_s = options.sync_load_timeout_s
-        self.load_switch_interval_ms = options.gil_switch_interval_ms
+        self.load_switch_interval_ms = LOAD_SWITCH_INTERVAL_MS
         self.staging: StagingPool | None = None
         log.info(
             "umbp-redis worker %s: key namespace %s (%s)",
@@ -550,11 +553,11 @@ class UMBPWorker:
             return not self._futures
 
     def shutdown(self) -> None:
-        """Wait up to ``shutdown_timeout_s`` for in-flight transfers, then stop."""
+        """Wait up to ``SHUTDOWN_TIMEOUT_S`` for in-flight transfers, then stop."""
         with self._lock:
             futs = list(self._futures)
         if futs:
-            wait(futs, timeout=self.options.shutdown_timeout_s)
+            wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
         self._loads.shutdown(wait=False, cancel_futures=True)
         self._layer_loads.shutdown(wait=False, cancel_futures=True)
         self._stores.shutdown(wait=False, cancel_futures=True)

@@ -101,14 +101,6 @@ REDIS_OPTIONS: tuple[Option, ...] = (
         "Redis server for the cores and the GIL.",
         minimum=1,
     ),
-    Option(
-        "max_inflight_bytes",
-        int,
-        1 * MiB,
-        "Bytes of values requested but not yet read, per connection (bounds Redis' "
-        "client output buffers).",
-        minimum=1,
-    ),
     Option("ttl_seconds", int, 86400, "TTL of every stored object.", minimum=1),
     Option(
         "refresh_ttl_on_lookup",
@@ -155,18 +147,6 @@ REDIS_OPTIONS: tuple[Option, ...] = (
         "Cluster slot map re-read at least this often (also at once, in the background, "
         "after MOVED, CLUSTERDOWN or a failed node).",
         minimum=0.1,
-    ),
-    Option(
-        "transfer_cpus",
-        str,
-        "auto",
-        "CPUs the transfer threads run on. vLLM's CPU workers bind their OpenMP threads "
-        "to some cores and reserve the rest; threads started by the worker inherit that "
-        "binding and would share the forward pass's cores. auto: every CPU of the "
-        "worker's NUMA node that no other rank's VLLM_CPU_OMP_THREADS_BIND list names, its "
-        "own OpenMP cores (OMP_PLACES, GOMP_CPU_AFFINITY or KMP_AFFINITY) included, so the "
-        "kernel runs transfers wherever a core is idle; no change without a binding; "
-        "inherit: no change; or a list such as 0,2-3 (pinned there).",
     ),
 )
 OPTIONS_BY_NAME = {o.name: o for o in REDIS_OPTIONS}
@@ -264,7 +244,10 @@ class RedisSettings:
     transfer_connections: int = transfer_connection_count(
         OPTIONS_BY_NAME["transfer_connections"].default
     )
-    max_inflight_bytes: int = OPTIONS_BY_NAME["max_inflight_bytes"].default
+    # Bytes of values requested but not yet read, per connection: bounds the server's
+    # client output buffers (they count toward maxmemory). Not an option: see
+    # docs/configuration.md, "Tuning notes".
+    max_inflight_bytes: int = 1 * MiB
     ttl_seconds: int = OPTIONS_BY_NAME["ttl_seconds"].default
     refresh_ttl_on_lookup: bool = OPTIONS_BY_NAME["refresh_ttl_on_lookup"].default
     checksum: bool = OPTIONS_BY_NAME["checksum"].default
@@ -272,7 +255,9 @@ class RedisSettings:
     cluster: str = "auto"  # "auto", "on" or "off"
     cluster_seed_nodes: tuple[tuple[str, int], ...] = ()
     cluster_refresh_s: float = OPTIONS_BY_NAME["cluster_refresh_s"].default
-    transfer_cpus: str = OPTIONS_BY_NAME["transfer_cpus"].default
+    # CPUs the transfer threads run on (``thread_affinity``): "auto", "inherit" or a
+    # list. Not an option; benchmarks set it.
+    transfer_cpus: str = "auto"
 
     @property
     def tls(self) -> bool:
@@ -289,8 +274,16 @@ class RedisSettings:
 
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> RedisSettings:
-        """Settings for ``url`` with other fields from ``overrides`` (option names)."""
-        return cls.from_options({**overrides, "redis_url": url})
+        """Settings for ``url`` with other fields from ``overrides``: option names, or
+        the fields that are not options (``max_inflight_bytes``, ``transfer_cpus``:
+        tests and benchmarks set them)."""
+        internal = {
+            k: overrides.pop(k) for k in ("max_inflight_bytes", "transfer_cpus") if k in overrides
+        }
+        if "transfer_cpus" in internal:
+            validate_transfer_cpus(internal["transfer_cpus"])
+        settings = cls.from_options({**overrides, "redis_url": url})
+        return dataclasses.replace(settings, **internal) if internal else settings
 
     @classmethod
     def from_options(cls, extra: Mapping[str, Any] | None) -> RedisSettings:
@@ -315,7 +308,6 @@ class RedisSettings:
         rest = {k: v for k, v in opts.items() if k in names and k not in special}
         cluster = {True: "on", False: "off"}.get(opts["cluster"], "auto")
         seeds = parse_seed_nodes(opts["cluster_seed_nodes"])
-        validate_transfer_cpus(opts["transfer_cpus"])
         rest["transfer_connections"] = transfer_connection_count(opts["transfer_connections"])
         if cluster == "on" and parsed.db != 0:
             raise ConfigError(

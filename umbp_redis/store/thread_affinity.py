@@ -1,4 +1,4 @@
-"""Which CPUs the transfer threads run on (option ``transfer_cpus``).
+"""Which CPUs the transfer threads run on (``RedisSettings.transfer_cpus``, "auto").
 
 vLLM's CPU workers bind their OpenMP threads to a set of cores (``OMP_PLACES``,
 ``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY``) and leave the others reserved for the engine
@@ -53,8 +53,8 @@ def validate_transfer_cpus(value: str) -> str:
         parse_cpu_list(value)
     except ValueError as e:
         raise ConfigError(
-            "kv_connector_extra_config['transfer_cpus'] must be 'auto', 'inherit' or a CPU "
-            f"list such as '0,2-3', got {value!r} ({e})"
+            "transfer_cpus must be 'auto', 'inherit' or a CPU list such as '0,2-3', got "
+            f"{value!r} ({e})"
         ) from None
     return value
 
