@@ -88,7 +88,13 @@ REDIS_OPTIONS: tuple[Option, ...] = (
         "Timeout of one prefix lookup; past it the blocks count as misses.",
         minimum=0.001,
     ),
-    Option("max_connections", int, 8, "Connections the process keeps to Redis at most.", minimum=1),
+    Option(
+        "max_connections",
+        int,
+        8,
+        "Connections the process keeps to Redis at most (on a cluster: to each master).",
+        minimum=1,
+    ),
     Option(
         "transfer_connections",
         (int, str),
