@@ -236,8 +236,7 @@ COUNTERS: tuple[Counter, ...] = (
     ),
     Counter(
         "stale_pins_released",
-        "Store events whose worker reports did not come within 120 s; their blocks "
-        "were released.",
+        "Store events whose worker reports did not come within 120 s; their blocks were released.",
         "nonzero",
         "scheduler",
     ),
