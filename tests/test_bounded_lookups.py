@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import redis
 from fake_servers import FakeServer
+from helpers import documented_acl
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.store.deployment import open_plane
@@ -208,14 +209,6 @@ def test_client_setname_is_best_effort(secured: EmbeddedRedis) -> None:
     assert plane.lookup([k]) == [True]
     assert plane.counters()["auth_failures"] == 0
     plane.close()
-
-
-def documented_acl() -> list[str]:
-    from pathlib import Path
-
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
-    rule = next(ln for ln in doc.splitlines() if ln.startswith("ACL SETUSER umbp "))
-    return rule.replace(">SECRET", ">acl-pass").split()
 
 
 def test_the_documented_minimal_acl_is_enough(

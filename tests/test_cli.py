@@ -6,44 +6,13 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import redis
+from helpers import FP, cli, fill
 from typed_redis import raw
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
-from umbp_redis.store.deployment import open_plane
-from umbp_redis.store.plane import StoreStatus
 from umbp_redis.store.settings import RedisSettings
-
-FP = b"\x11" * 16
-
-
-def cli(*args: str, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "umbp_redis.ops.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        input=input_text,
-    )
-
-
-def fill(
-    url: str,
-    ns: str,
-    n: int,
-    size: int = 4096,
-    checksum: bool = True,
-    parts: tuple[int, ...] | None = None,
-) -> list[str]:
-    plane = open_plane(RedisSettings.from_url(url, checksum=checksum))
-    keys = [f"umbp:vllm:v1:{ns}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(n)]
-    data = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
-    stored = plane.store(list(zip(keys, data, strict=True)), FP, parts=parts)
-    assert set(stored) == {StoreStatus.STORED}
-    plane.close()
-    return keys
 
 
 def test_version_and_help() -> None:

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from test_bounded_lookups import documented_acl
-from test_cli import cli, fill
+from helpers import cli, documented_acl, fill
 from typed_redis import raw
 
 from umbp_redis.data.keys import KEY_PREFIX

@@ -7,16 +7,13 @@ times and run several phases each.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from test_cli import cli
+from helpers import BLOCK, PROMPTS, cli, connector, full_blocks, run_engine, tokens
 from typed_redis import raw
 
 from umbp_redis.data import parse_key
@@ -25,72 +22,6 @@ from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.ops.tiny_model import sample_prompts
 
 pytestmark = pytest.mark.vllm
-
-RUNNER = Path(__file__).with_name("engine_runner.py")
-BLOCK = 128  # vLLM 0.32's CPU block size
-PROMPTS = sample_prompts(4, 420, seed=1, shared_prefix_words=300)
-
-
-def connector(url: str, *, module_path: bool = True, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "UMBPRedisConnector",
-        **({"kv_connector_module_path": "umbp_redis.connector"} if module_path else {}),
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        # Async loads unless a test says otherwise: these tests were written for them
-        # (the default, auto, loads the tiny model's small hits sync).
-        "kv_connector_extra_config": {
-            "redis_url": url,
-            "fail_fast_s": 0.5,
-            "load_async": True,
-            **extra,
-        },
-    }
-
-
-def run_engine(
-    tmp: Path,
-    name: str,
-    model: Path,
-    conn: dict | None,
-    phases: list,
-    env: dict | None = None,
-    **spec: Any,
-) -> dict:  # type: ignore[type-arg]
-    out = tmp / f"{name}.json"
-    spec_path = tmp / f"{name}.spec.json"
-    spec_path.write_text(
-        json.dumps(
-            {
-                "model": str(model),
-                "connector": conn,
-                "prompts": PROMPTS,
-                "phases": phases,
-                "out": str(out),
-                **spec,
-            }
-        )
-    )
-
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **(env or {})},
-    )
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    return json.loads(out.read_text())
-
-
-def tokens(result: dict) -> list[list[int]]:  # type: ignore[type-arg]
-    return [o["tokens"] for o in result["outputs"]]
-
-
-def full_blocks(prompt_tokens: int) -> int:
-    return (prompt_tokens - 1) // BLOCK
 
 
 @pytest.fixture(scope="module")

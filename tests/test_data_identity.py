@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_vllm_config
 from kv_fixtures import LAYERS, attn_spec, mla_spec, plain_config, vllm_layout_caches
-from vllm.config import KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+from vllm.config import KVTransferConfig, ModelConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -30,28 +31,6 @@ HASH = bytes(range(32))
 @pytest.fixture(scope="module")
 def model_config(tiny_model: Path) -> ModelConfig:
     return ModelConfig(model=str(tiny_model), dtype="bfloat16", max_model_len=1024)
-
-
-def make_vllm_config(
-    model_config: ModelConfig, *, tp: int = 1, extra: dict | None = None, **model_kw
-) -> VllmConfig:  # type: ignore[type-arg]
-    mc = model_config
-    if model_kw:
-        mc = ModelConfig(
-            model=model_config.model, max_model_len=1024, **{"dtype": "bfloat16", **model_kw}
-        )
-    cfg = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp))
-    # Set after construction: VllmConfig would import the connector module to validate it.
-    cfg.kv_transfer_config = KVTransferConfig(
-        kv_connector="UMBPRedisConnector", kv_role="kv_both", kv_connector_extra_config=extra or {}
-    )
-    return cfg
-
-
-def ktc(cfg: VllmConfig) -> KVTransferConfig:
-    """The connector's transfer config of ``cfg`` (set by ``make_vllm_config``)."""
-    assert cfg.kv_transfer_config is not None
-    return cfg.kv_transfer_config
 
 
 # --- RankTopology -------------------------------------------------------------------
@@ -119,11 +98,11 @@ def test_derived_namespace_is_the_same_in_another_process(model_config: ModelCon
     here = UMBPNamespace.from_vllm_config(make_vllm_config(model_config), kv).value
     code = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_data_identity import make_vllm_config
 from kv_fixtures import vllm_layout_caches
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from umbp_redis.data import UMBPNamespace
+from helpers import make_vllm_config
 mc = ModelConfig(model={model_config.model!r}, dtype="bfloat16", max_model_len=1024)
 kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC)
 print("NS=" + UMBPNamespace.from_vllm_config(make_vllm_config(mc), kv).value)

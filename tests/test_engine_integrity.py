@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_connector_engine import BLOCK, PROMPTS, full_blocks, run_engine, tokens
-from test_weights_fingerprint import rewrite_weights
+from helpers import BLOCK, PROMPTS, full_blocks, rewrite_weights, run_engine, tokens
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.ops.tiny_model import sample_prompts

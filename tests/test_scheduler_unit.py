@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers import ktc, make_vllm_config
 from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
-from test_data_identity import ktc, make_vllm_config
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus

@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers import make_vllm_config, rewrite_weights
 from kv_fixtures import attn_spec, vllm_layout_caches
-from test_data_identity import make_vllm_config
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from umbp_redis.data import UMBPNamespace, namespace_inputs
 from umbp_redis.engine.weights import local_fingerprint, weights_fingerprint
-
-
-def rewrite_weights(model_dir: Path, seed: int) -> None:
-    """Save new random weights of the same shapes at the same path."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model: Any = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
-    model = model.to(dtype=torch.bfloat16)
-    model.save_pretrained(model_dir, safe_serialization=True)
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ktc, make_vllm_config
 from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
 from layout_cases import fill_random, page_bytes
-from test_data_identity import ktc, make_vllm_config
 from typed_redis import raw
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout

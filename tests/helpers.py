@@ -1,0 +1,157 @@
+"""Helpers shared by the test modules: vLLM configs, the CLI, the documented ACL, model
+weights, and engines run through ``engine_runner.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from vllm.config import KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+
+from umbp_redis.ops.tiny_model import sample_prompts
+from umbp_redis.store.deployment import open_plane
+from umbp_redis.store.plane import StoreStatus
+from umbp_redis.store.settings import RedisSettings
+
+# The layout fingerprint of the values ``fill`` stores.
+FP = b"\x11" * 16
+
+
+def make_vllm_config(
+    model_config: ModelConfig, *, tp: int = 1, extra: dict | None = None, **model_kw
+) -> VllmConfig:  # type: ignore[type-arg]
+    mc = model_config
+    if model_kw:
+        mc = ModelConfig(
+            model=model_config.model, max_model_len=1024, **{"dtype": "bfloat16", **model_kw}
+        )
+    cfg = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp))
+    # Set after construction: VllmConfig would import the connector module to validate it.
+    cfg.kv_transfer_config = KVTransferConfig(
+        kv_connector="UMBPRedisConnector", kv_role="kv_both", kv_connector_extra_config=extra or {}
+    )
+    return cfg
+
+
+def ktc(cfg: VllmConfig) -> KVTransferConfig:
+    """The connector's transfer config of ``cfg`` (set by ``make_vllm_config``)."""
+    assert cfg.kv_transfer_config is not None
+    return cfg.kv_transfer_config
+
+
+def cli(*args: str, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "umbp_redis.ops.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=input_text,
+    )
+
+
+def fill(
+    url: str,
+    ns: str,
+    n: int,
+    size: int = 4096,
+    checksum: bool = True,
+    parts: tuple[int, ...] | None = None,
+) -> list[str]:
+    plane = open_plane(RedisSettings.from_url(url, checksum=checksum))
+    keys = [f"umbp:vllm:v1:{ns}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(n)]
+    data = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
+    stored = plane.store(list(zip(keys, data, strict=True)), FP, parts=parts)
+    assert set(stored) == {StoreStatus.STORED}
+    plane.close()
+    return keys
+
+
+def documented_acl() -> list[str]:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    rule = next(ln for ln in doc.splitlines() if ln.startswith("ACL SETUSER umbp "))
+    return rule.replace(">SECRET", ">acl-pass").split()
+
+
+def rewrite_weights(model_dir: Path, seed: int) -> None:
+    """Save new random weights of the same shapes at the same path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model: Any = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
+    model = model.to(dtype=torch.bfloat16)
+    model.save_pretrained(model_dir, safe_serialization=True)
+
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+BLOCK = 128  # vLLM 0.32's CPU block size
+PROMPTS = sample_prompts(4, 420, seed=1, shared_prefix_words=300)
+
+
+def connector(url: str, *, module_path: bool = True, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "UMBPRedisConnector",
+        **({"kv_connector_module_path": "umbp_redis.connector"} if module_path else {}),
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        # Async loads unless a test says otherwise: these tests were written for them
+        # (the default, auto, loads the tiny model's small hits sync).
+        "kv_connector_extra_config": {
+            "redis_url": url,
+            "fail_fast_s": 0.5,
+            "load_async": True,
+            **extra,
+        },
+    }
+
+
+def run_engine(
+    tmp: Path,
+    name: str,
+    model: Path,
+    conn: dict | None,
+    phases: list,
+    env: dict | None = None,
+    **spec: Any,
+) -> dict:  # type: ignore[type-arg]
+    out = tmp / f"{name}.json"
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "connector": conn,
+                "prompts": PROMPTS,
+                "phases": phases,
+                "out": str(out),
+                **spec,
+            }
+        )
+    )
+
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(spec_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    return json.loads(out.read_text())
+
+
+def tokens(result: dict) -> list[list[int]]:  # type: ignore[type-arg]
+    return [o["tokens"] for o in result["outputs"]]
+
+
+def full_blocks(prompt_tokens: int) -> int:
+    return (prompt_tokens - 1) // BLOCK
