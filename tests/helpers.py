@@ -155,3 +155,23 @@ def tokens(result: dict) -> list[list[int]]:  # type: ignore[type-arg]
 
 def full_blocks(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BLOCK
+
+
+def wait_until_server_is_asleep(url: str, timeout_s: float = 5.0) -> None:
+    """Return once the Redis server at ``url`` stops answering (another client's
+    ``DEBUG SLEEP`` has begun): a PING on a fresh connection finds no reply in 0.2 s.
+    Raises ``AssertionError`` if the server keeps answering for ``timeout_s``."""
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        probe = redis.Redis.from_url(url, socket_timeout=0.2, socket_connect_timeout=1.0)
+        try:
+            probe.ping()
+        except redis.TimeoutError:
+            return
+        finally:
+            probe.close()
+    raise AssertionError(f"the server at {url} kept answering for {timeout_s} s")

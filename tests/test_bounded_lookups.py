@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 from fake_servers import FakeServer
-from helpers import documented_acl
+from helpers import documented_acl, wait_until_server_is_asleep
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.store.deployment import open_plane
@@ -74,12 +74,17 @@ def test_an_address_that_drops_syns() -> None:
         s.setblocking(False)
         s.connect_ex(("127.0.0.1", port))
         fillers.append(s)
-    time.sleep(0.1)
-    probe = socket.socket()
-    probe.settimeout(0.3)
-    with pytest.raises(OSError):  # the setup works: a connect does hang
-        probe.connect(("127.0.0.1", port))
-    probe.close()
+    deadline = time.monotonic() + 5
+    while True:  # the setup works once a connect hangs (the fillers filled the backlog)
+        probe = socket.socket()
+        probe.settimeout(0.3)
+        try:
+            probe.connect(("127.0.0.1", port))
+        except OSError:
+            break
+        finally:
+            probe.close()
+        assert time.monotonic() < deadline, "connects to a full backlog did not hang"
     plane = make_plane(f"redis://127.0.0.1:{port}/0", connect_timeout_s=5.0)
     times = timed_lookups(plane)
     assert max(times) < TIMEOUT + MARGIN, times
@@ -101,7 +106,7 @@ def test_debug_sleep_bounds_lookups_and_opens_no_fail_fast_window(
         target=lambda: redis.Redis.from_url(own_redis.url).execute_command("DEBUG", "SLEEP", "1.2")
     )
     sleeper.start()
-    time.sleep(0.1)
+    wait_until_server_is_asleep(own_redis.url)
     times = timed_lookups(plane, n=3)
     assert max(times) < TIMEOUT + MARGIN, times
     sleeper.join()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import redis
 from fake_servers import FakeServer, loading_server
+from helpers import wait_until_server_is_asleep
 from typed_redis import raw
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
@@ -446,7 +447,7 @@ def test_timeout_is_bounded_and_a_miss(own_redis: EmbeddedRedis) -> None:
     blocker = redis.Redis.from_url(own_redis.url)
     th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "1.5"))
     th.start()
-    time.sleep(0.1)
+    wait_until_server_is_asleep(own_redis.url)
     t0 = time.monotonic()
     assert d.lookup(keys_for(3)) is None
     assert time.monotonic() - t0 < 0.6
@@ -469,7 +470,7 @@ def test_a_load_with_a_deadline_ends_by_it(own_redis: EmbeddedRedis) -> None:
     blocker = redis.Redis.from_url(own_redis.url)
     th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
     th.start()
-    time.sleep(0.1)
+    wait_until_server_is_asleep(own_redis.url)
     t0 = time.monotonic()
     assert d.load([(k, dst.data)], FP, deadline=time.monotonic() + 0.3) == [LoadStatus.ERROR]
     assert time.monotonic() - t0 < 1.0  # the server slept 2 s, op_timeout_s is 5 s

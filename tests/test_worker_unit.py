@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ktc, make_vllm_config
+from helpers import ktc, make_vllm_config, wait_until_server_is_asleep
 from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
 from layout_cases import fill_random, page_bytes
 from typed_redis import raw
@@ -247,6 +247,7 @@ class GatedCopier:
         self.fail = fail
         self.points: list[tuple[object, str]] = []
         self.scatter_after: list[object] = []
+        self.waiting = threading.Event()  # a thread waits for a gated copy
 
     def engine_point(self) -> object:
         point = object()
@@ -254,7 +255,7 @@ class GatedCopier:
         return point
 
     def _handle(self, copy):  # type: ignore[no-untyped-def]
-        gate, fail = self.gate, self.fail
+        gate, fail, waiting = self.gate, self.fail, self.waiting
         lock, copied = threading.Lock(), []
 
         class Handle:
@@ -267,6 +268,7 @@ class GatedCopier:
                         copied.append(True)
 
             def wait(self) -> None:
+                waiting.set()
                 assert gate.wait(10), "the test never opened the gate"
                 self._finish()
 
@@ -304,7 +306,7 @@ def test_store_sends_only_after_its_gather_completes(
     want = {name: page_bytes(t, 5, NB).clone() for name, t in src_caches.items()}
     gated = _gate(src)
     step(src, UMBPConnectorMetadata(stores=[BlockStoreBatch("r1", (H1,), (5,), (0,), event_id=4)]))
-    time.sleep(0.3)
+    assert gated.waiting.wait(10)  # the store thread waits for the gather: its writes follow
     r = redis.Redis.from_url(redis_url)
     assert r.dbsize() == 0 and not src.idle()  # nothing is sent before the copy ...
     # ... and the source blocks stay pinned: no report while the gather runs, steps on.
@@ -338,7 +340,7 @@ def test_load_finishes_only_after_its_scatter_completes(
     # The engine point is taken on the engine's thread when the load starts, and the
     # scatter is ordered after it.
     assert [t for _, t in gated.points] == [threading.current_thread().name]
-    time.sleep(0.3)
+    assert gated.waiting.wait(10)  # the load thread waits for the scatter: its report follows
     assert dst.take_finished_loads() == (set(), set())
     assert gated.scatter_after == [gated.points[0][0]]
     gated.gate.set()
@@ -548,7 +550,7 @@ def held_while_the_server_sleeps(url: str, run: Any) -> float:
     blocker = redis.Redis.from_url(url)
     th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
     th.start()
-    time.sleep(0.1)
+    wait_until_server_is_asleep(url)
     t0 = time.monotonic()
     run()
     held = time.monotonic() - t0
@@ -609,7 +611,7 @@ def test_a_sync_load_that_finds_an_invalid_value_removes_it_within_sync_load_tim
             )
             th.start()
             sleeper.append(th)
-            time.sleep(0.1)
+            wait_until_server_is_asleep(own_redis.url)
             return int(inner.delete(keys, deadline=deadline))
 
     w.plane = StallsBeforeDelete()  # type: ignore[assignment]
