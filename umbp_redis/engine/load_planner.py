@@ -43,7 +43,7 @@ class LoadPlanner:
         batches, self.pending = self.pending, []
         return batches
 
-    def hit_blocks(self, blocks: Any, first: int, last: int) -> list[tuple[int, int, int]]:
+    def load_targets(self, blocks: Any, first: int, last: int) -> list[tuple[int, int, int]]:
         """(block index, group, engine block id) of the blocks a hit over blocks
         ``[first, last)`` loads, in block order: every group's blocks its reach needs
         (a sliding window only the blocks before ``last``), never vLLM's null block."""
@@ -67,7 +67,7 @@ class LoadPlanner:
         first = st.local_tokens // bs
         last = (st.local_tokens + tokens) // bs
         hashes, block_ids, group_ids = [], [], []
-        for i, g, block_id in self.hit_blocks(blocks, first, last):
+        for i, g, block_id in self.load_targets(blocks, first, last):
             h = self.hashing.hash_of(request, i)
             if h is None:
                 break
@@ -96,7 +96,7 @@ class LoadPlanner:
         bs = self.hashing.block_size
         first = st.local_tokens // bs
         block_ids = tuple(
-            b for _, _, b in self.hit_blocks(blocks, first, (st.local_tokens + tokens) // bs)
+            b for _, _, b in self.load_targets(blocks, first, (st.local_tokens + tokens) // bs)
         )
         self.pending.append(
             BlockLoadBatch(

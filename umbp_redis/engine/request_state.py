@@ -34,7 +34,9 @@ class RequestState:
     request: Request
     tracker: RequestTracker
     local_tokens: int = 0
-    hit_blocks: int = 0  # blocks [0, hit_blocks) are known to be in Redis
+    # Blocks [0, known_stored_blocks) need no store from here: a lookup found them in
+    # Redis, or this engine loaded them or holds them in its own prefix cache.
+    known_stored_blocks: int = 0
     load_failed: bool = False  # a load of it failed on a value that would fail again
     load_async: bool = True  # how the hit of the last lookup answer loads
     sync_load_from: int = 0  # the first block its last sync load loaded

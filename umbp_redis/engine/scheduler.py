@@ -324,13 +324,13 @@ class UMBPScheduler:
         # Blocks in vLLM's local cache were computed (and stored) or loaded here before:
         # they are not stored again (the lookup refreshes them in Redis).
         bs = self.block_size
-        st.hit_blocks = max(st.hit_blocks, num_computed_tokens // bs)
+        st.known_stored_blocks = max(st.known_stored_blocks, num_computed_tokens // bs)
         if not self.can_load or self.codec is None or st.load_failed:
             return 0, False
         hit = self.lookups.hit_blocks(st, num_computed_tokens, self.codec)
         if hit is None:
             return None, False
-        st.hit_blocks = max(st.hit_blocks, hit)
+        st.known_stored_blocks = max(st.known_stored_blocks, hit)
         tokens = hit * bs - num_computed_tokens
         if tokens <= 0:
             return 0, False

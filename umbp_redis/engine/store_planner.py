@@ -66,8 +66,8 @@ class StorePlanner:
         # Blocks counted as in Redis (hit or loaded) that vLLM computes again now failed
         # to load (invalid or evicted value): this engine stores them afresh.
         redo_from = computed_before // bs
-        if scheduled > 0 and redo_from < max(st.hit_blocks, tr.num_loaded_tokens // bs):
-            st.hit_blocks = min(st.hit_blocks, redo_from)
+        if scheduled > 0 and redo_from < max(st.known_stored_blocks, tr.num_loaded_tokens // bs):
+            st.known_stored_blocks = min(st.known_stored_blocks, redo_from)
             tr.num_loaded_tokens = min(tr.num_loaded_tokens, redo_from * bs)
             tr.num_saved_tokens = min(tr.num_saved_tokens, redo_from * bs)
         limit = (
@@ -76,7 +76,7 @@ class StorePlanner:
         first = tr.num_saved_tokens // bs
         last = limit // bs
         # Blocks loaded from Redis or seen present in a lookup are not sent again.
-        skip_below = max(st.hit_blocks, tr.num_loaded_tokens // bs)
+        skip_below = max(st.known_stored_blocks, tr.num_loaded_tokens // bs)
         hashes, block_ids, group_ids, indices = [], [], [], []
         saved_to = first
         # Groups that keep only the blocks before hit points: the prompt's end (the same

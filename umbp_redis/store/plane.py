@@ -211,7 +211,7 @@ def _part_count(parts: Sequence[int] | None) -> int:
     return len(part_split(parts) or (0,))
 
 
-def _groups(sizes: Sequence[int], budget: int) -> list[range]:
+def _byte_windows(sizes: Sequence[int], budget: int) -> list[range]:
     """Consecutive index ranges whose sizes add up to at most ``budget`` (>= 1 item each)."""
     out: list[range] = []
     start, acc = 0, 0
@@ -496,10 +496,10 @@ class RedisDataPlane:
     ) -> list[StoreStatus | RedisRedirectError]:
         window = max(1, self.settings.max_inflight_bytes // 2)
         chunk = sub[rng.start : rng.stop]
-        groups = _groups([v.nbytes for _, v in chunk], window)
+        windows = _byte_windows([v.nbytes for _, v in chunk], window)
         with self.pool.connection() as conn:
             return self._windowed(
-                groups,
+                windows,
                 lambda g: self._send_stores(
                     conn, chunk[g.start : g.stop], fingerprint, ttl, asking, parts
                 ),
@@ -677,10 +677,10 @@ class RedisDataPlane:
                     on_loaded(done)
             return res
 
-        groups = _groups([views_nbytes(sub[i][1]) + 128 for i in idx], window)
+        windows = _byte_windows([views_nbytes(sub[i][1]) + 128 for i in idx], window)
         with self.pool.connection(deadline=deadline) as conn:
             return self._windowed(
-                groups,
+                windows,
                 lambda g: send_buffers(
                     conn.sock,
                     [b"".join(pre + hmget_command(sub[idx[j]][0], nparts) for j in g)],
@@ -727,10 +727,10 @@ class RedisDataPlane:
                     )
             return []
 
-        groups = _groups([parts[p] + 128 for p, _ in units], window)
+        windows = _byte_windows([parts[p] + 128 for p, _ in units], window)
         with self.pool.connection(deadline=deadline) as conn:
             self._windowed(
-                groups,
+                windows,
                 lambda g: send_buffers(
                     conn.sock,
                     [b"".join(command(*units[u]) for u in g)],
