@@ -76,7 +76,7 @@ def test_vllm_services_use_the_connector_with_real_options() -> None:
     assert services["vllm-second"]["profiles"] == ["second"]
 
 
-def test_image_installs_this_repository() -> None:
+def test_the_engine_image_builds_on_vllms_image_and_copies_the_package() -> None:
     svc = compose()["services"]["vllm"]
     assert svc["build"]["dockerfile"] == "docker/vllm.Dockerfile"
     dockerfile = (ROOT / "docker" / "vllm.Dockerfile").read_text()

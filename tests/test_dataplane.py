@@ -61,7 +61,11 @@ def test_lookup_reports_presence_in_order(plane: RedisDataPlane, redis_url: str)
     assert r.ttl(keys[0]) == -1  # no refresh asked
 
 
-def test_lookup_is_one_round_trip(plane: RedisDataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_scheduler_lookup_of_1000_blocks_is_one_send(
+    plane: RedisDataPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's path: blocks encoded by ``lookup_encoder``, asked with
+    ``lookup_blocks``: every command in one pre-encoded buffer, one send."""
     sent: list[int] = []
     real = resp.send_buffers
 
@@ -69,9 +73,12 @@ def test_lookup_is_one_round_trip(plane: RedisDataPlane, monkeypatch: pytest.Mon
         sent.append(len(buffers))
         return real(sock, buffers, use_sendmsg=use_sendmsg, deadline=deadline)
 
+    prefixes = [b"umbp:vllm:v1:onesend:tp0:pcp0:dcp0:pp0:g0:"]
+    enc = plane.lookup_encoder(prefixes, refresh_ttl=True, hash_hex_len=64)
+    blocks = [enc.encode(b"%064x" % i) for i in range(1000)]
     monkeypatch.setattr("umbp_redis.store.plane.send_buffers", counting)
-    plane.lookup(keys_for(1000))
-    assert sent == [1]  # every EXISTS in one pre-encoded buffer, one send
+    assert plane.lookup_blocks(blocks, 1000 * enc.replies) == [0] * 1000
+    assert sent == [1]
 
 
 def test_lookup_refreshes_ttl_of_hits(plane: RedisDataPlane, redis_url: str) -> None:

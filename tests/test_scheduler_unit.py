@@ -358,12 +358,33 @@ def test_consumer_never_stores_and_preemption_is_forwarded(model_config: ModelCo
     assert meta.stores == [] and meta.cancelled_requests == ["r9"]
 
 
-def test_request_finished_never_delays_freeing(model_config: ModelConfig) -> None:
+def test_a_finished_request_is_freed_at_once_its_store_sources_stay_pinned(
+    model_config: ModelConfig,
+) -> None:
+    """vLLM frees a finished request's blocks at once (no delayed free); the blocks its
+    stores still read stay allocated by the connector's own pins until reported."""
     s = make_scheduler(model_config, ScriptedDataPlane())
-    req = request(600)
+    pool = FakeBlockPool(32)
+    s.bind_block_pool(pool)
+    req = request(2 * BS + 40)
     s.get_num_new_matched_tokens(req, 0)
-    assert s.request_finished(req) == (False, None)  # type: ignore[arg-type]
-    assert "r1" not in s.requests
+    meta = s.build_connector_meta(_step(new=[("r1", ([5, 6, 7],), 0)], sched={"r1": 2 * BS + 40}))
+    assert [list(b.block_ids) for b in meta.stores] == [[5, 6]]
+    delay_free, params = s.request_finished(req)  # type: ignore[arg-type]
+    assert delay_free is False and params is None and "r1" not in s.requests
+    # vLLM drops its own references now; the pins alone keep 5 and 6 allocated.
+    assert [pool.blocks[b].ref_cnt for b in (5, 6, 7)] == [1, 1, 0]
+    assert s.has_pending_block_frees()  # vLLM waits for the report rather than preempt
+    (batch,) = meta.stores
+    s.update_connector_output(
+        SimpleNamespace(  # type: ignore[arg-type]
+            finished_recving=None,
+            kv_connector_worker_meta=UMBPConnectorWorkerMetadata(
+                {batch.event_id: StoreEventResult(batch.event_id)}
+            ),
+        )
+    )
+    assert s.pinned_blocks == 0 and pool.blocks[5].ref_cnt == pool.blocks[6].ref_cnt == 0
 
 
 def test_plugin_registers_the_connector_name() -> None:
