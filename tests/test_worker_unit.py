@@ -795,7 +795,7 @@ def test_a_sync_load_by_layer_lets_each_layer_go_once_its_part_is_in(
         )
     )
     w.start_load_kv()
-    assert len(w._step_gates) == 1  # running alongside the forward pass
+    assert len(w.layer_loads.gates) == 1  # running alongside the forward pass
     for name in LAYERS:
         w.wait_for_layer_load(name)
         for i, b in enumerate(ids):
@@ -832,7 +832,7 @@ def test_a_load_by_layer_the_forward_did_not_wait_for_is_recomputed(
     assert not w.handshake_metadata().loads_by_layer
     w.bind(UMBPConnectorMetadata(loads=[load]))
     w.start_load_kv()  # now whole, before the forward pass
-    assert not w._step_gates
+    assert not w.layer_loads.gates
     w.wait_for_save()
     w.clear()
     assert w.get_block_ids_with_load_errors() == set()

@@ -38,7 +38,7 @@ class BlockStorer:
         stats: StatsRecorder,
         ledger: WorkerLedger,
         plan_block: Callable[[BlockTransferPlan, str], BlockTransferPlan],
-        submit_write: Callable[..., None],
+        submit_write: Callable[..., object],
         *,
         can_store: bool,
     ) -> None:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -41,6 +40,7 @@ from umbp_redis.engine.block_storer import BlockStorer
 from umbp_redis.engine.copy.factory import make_block_copier
 from umbp_redis.engine.copy.interface import BlockCopier
 from umbp_redis.engine.layer_gate import LayerGate
+from umbp_redis.engine.layer_loads import LayerLoads
 from umbp_redis.engine.options import EngineOptions
 from umbp_redis.engine.staging import StagingPool, staging_budget
 from umbp_redis.engine.stats import COUNTERS, NODE_FAILURES_PREFIX, STORE_COUNTERS, StatsRecorder
@@ -57,12 +57,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long shutdown waits for transfers in flight (each is bounded by op_timeout_s).
 SHUTDOWN_TIMEOUT_S = 5.0
-
-# Seconds past a load-by-layer's deadline the end of the step waits for its thread.
-LAYER_LOAD_JOIN_GRACE_S = 1.0
 
 
 def _live_ranks() -> tuple[int, int, int]:
@@ -127,15 +125,13 @@ class UMBPWorker:
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load", initializer=pin)
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="umbp-store", initializer=pin)
         # Sync loads run alongside the forward pass, a part of every block at a time.
-        self.load_by_layer = True  # off once the forward pass skipped a layer's wait
-        self._layer_loads = ThreadPoolExecutor(4, thread_name_prefix="umbp-layers", initializer=pin)
-        self._step_gates: list[tuple[LayerGate, Any, BlockLoadBatch]] = []
-        self._layer_part: dict[str, tuple[int, int]] = {}  # layer -> (group, part)
-        self._part_count: dict[int, int] = {}  # by cache group
-        self._layer_wait_logged = False
+        self.sync_load_timeout_s = options.sync_load_timeout_s
+        self.layer_loads = LayerLoads(self.sync_load_timeout_s)
+        self._layer_threads = ThreadPoolExecutor(
+            4, thread_name_prefix="umbp-layers", initializer=pin
+        )
         # Some group's objects are in parts and received straight into the KV cache.
         self._receives_in_parts = False
-        self._layer_loads_turned_off = False  # since the last report
         self._lock = threading.Lock()
         # A sync load of this step failed: the forward pass computed over blocks that did
         # not load, so this step's stores would write KV computed from them.
@@ -160,7 +156,6 @@ class UMBPWorker:
             lambda *args: self._track(self._stores.submit(*args)),
             can_store=self.can_store,
         )
-        self.sync_load_timeout_s = options.sync_load_timeout_s
         self.load_switch_interval_ms = LOAD_SWITCH_INTERVAL_MS
         self.staging: StagingPool | None = None
         log.info(
@@ -234,10 +229,10 @@ class UMBPWorker:
         for gid, lay in self.planner.layouts.items():
             lengths = self.loader.part_lengths[lay.fingerprint] = lay.part_lengths()
             self.storer.part_lengths[lay.fingerprint] = lengths
-            self._part_count[gid] = len(lengths)
+            self.layer_loads.part_count[gid] = len(lengths)
             for layer, part in lay.layer_parts().items():
-                self._layer_part[layer] = (gid, part)
-            if self._part_count[gid] > 1 and views_of is not None:
+                self.layer_loads.layer_part[layer] = (gid, part)
+            if len(lengths) > 1 and views_of is not None:
                 views = views_of(gid, 0)
                 self._receives_in_parts |= (
                     views is not None and sum(v.nbytes for v in views) == lay.object_size
@@ -247,7 +242,7 @@ class UMBPWorker:
                 gid,
                 lay.object_size,
                 len(lay.regions),
-                self._part_count[gid],
+                len(lengths),
                 lay.fingerprint_hex,
             )
 
@@ -258,6 +253,15 @@ class UMBPWorker:
             topology=self.topology,
             loads_by_layer=self.sync_loads_by_layer(),
         )
+
+    @property
+    def load_by_layer(self) -> bool:
+        """Whether sync loads may run by layer (off once a forward pass skipped a wait)."""
+        return self.layer_loads.enabled
+
+    @load_by_layer.setter
+    def load_by_layer(self, on: bool) -> None:
+        self.layer_loads.enabled = on
 
     def sync_loads_by_layer(self) -> bool:
         """Whether this worker's sync loads run by layer: ``load_by_layer`` is on, loads
@@ -307,92 +311,37 @@ class UMBPWorker:
                     self._switch_held = LOAD_SWITCH_INTERVAL.hold(self.load_switch_interval_ms)
             if batch.load_async:
                 self._track(self._loads.submit(self._run_load, batch, True, after))
-            elif self._loads_by_layer(batch):
+            elif self.sync_loads_by_layer() and self.layer_loads.in_parts(batch):
                 # The forward pass waits for each layer's part (wait_for_layer_load) and
                 # the step's end for the whole load (wait_for_save).
-                groups: dict[int, int] = defaultdict(int)
-                for g in batch.group_ids:
-                    groups[g] += 1
-                gate = LayerGate(groups, time.monotonic() + self.sync_load_timeout_s)
-                fut = self._layer_loads.submit(self._run_load, batch, False, after, gate)
-                self._track(fut)
-                self._step_gates.append((gate, fut, batch))
+                def run_by_layer(gate: LayerGate, b: BlockLoadBatch = batch) -> Future[None]:
+                    return self._track(
+                        self._layer_threads.submit(self._run_load, b, False, after, gate)
+                    )
+
+                self.layer_loads.start(batch, run_by_layer)
             else:  # vLLM runs the forward pass once this returns
                 t0 = time.perf_counter()
                 self._run_load(batch, False, after)
                 self._step_sync_wait_s += time.perf_counter() - t0
 
-    def _loads_by_layer(self, batch: BlockLoadBatch) -> bool:
-        """Whether a sync load runs alongside the forward pass (host KV caches, values
-        stored in several parts)."""
-        return self.sync_loads_by_layer() and any(
-            self._part_count.get(g, 1) > 1 for g in set(batch.group_ids)
-        )
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before ``layer_name``'s attention: wait until this step's loads by layer have
         its part of every block, at most until their deadline (``sync_load_timeout_s``;
         blocks not loaded by then are reported failed at the step's end)."""
-        if not self._step_gates:
-            return
-        where = self._layer_part.get(layer_name)
-        if where is None:  # a layer no load of ours writes
-            return
-        t0 = time.perf_counter()
-        for gate, _fut, _batch in self._step_gates:
-            arrived = gate.wait(*where)
-            if not arrived and not self._layer_wait_logged:
-                self._layer_wait_logged = True
-                log.warning(
-                    "umbp-redis: a sync load had not brought layer %s in by "
-                    "sync_load_timeout_s=%.3g; its blocks are recomputed (logged once)",
-                    layer_name,
-                    self.sync_load_timeout_s,
-                )
-        waited = time.perf_counter() - t0
-        self._step_sync_wait_s += waited
-        self.stats.add(layer_wait_ms=waited * 1e3)
-
-    def _join_layer_loads(self) -> None:
-        """End of the forward pass: wait for this step's loads by layer to end (each by
-        its deadline, plus a grace); a load that has not ended, or one some layer of
-        which the forward pass did not wait for, fails all its blocks."""
-        gates, self._step_gates = self._step_gates, []
-        t0 = time.perf_counter()
-        for gate, fut, batch in gates:
-            try:
-                fut.result(
-                    timeout=max(0.0, gate.deadline - time.monotonic()) + LAYER_LOAD_JOIN_GRACE_S
-                )
-            except Exception as e:
-                log.error("umbp-redis: sync load of %s did not end: %r", batch.request_id, e)
-                self._load_failed(batch.request_id, batch.block_ids, sync=True)
-                continue
-            parts = {
-                (g, p) for g in set(batch.group_ids) for p in range(self._part_count.get(g, 0))
-            }
-            unwaited = parts - gate.waited
-            if unwaited:
-                # The forward pass may have read those layers before their bytes were in.
-                self._load_failed(batch.request_id, batch.block_ids, sync=True)
-                if self.load_by_layer:
-                    self.load_by_layer = False
-                    self._layer_loads_turned_off = True  # the scheduler hears of it
-                    log.warning(
-                        "umbp-redis: the forward pass did not wait for every layer of a "
-                        "load by layer (not waited: %s); its blocks are recomputed and "
-                        "sync loads now run before the forward pass (load_by_layer off)",
-                        sorted(unwaited),
-                    )
-        if gates:
-            self._step_sync_wait_s += time.perf_counter() - t0
+        waited = self.layer_loads.wait(layer_name)
+        if waited:
+            self._step_sync_wait_s += waited
+            self.stats.add(layer_wait_ms=waited * 1e3)
 
     def wait_for_save(self) -> None:
         """Submit this step's stores (once per step); drop them all where a sync load of
         the step failed (see ``BlockStorer.drop``)."""
         if self.meta is not None and not self._stores_submitted:
             self._stores_submitted = True
-            self._join_layer_loads()
+            self._step_sync_wait_s += self.layer_loads.join(
+                lambda rid, ids: self._load_failed(rid, ids, sync=True)
+            )
             self._account_sync_wait(self.meta)
             with self._lock:
                 tainted = self._step_sync_failed
@@ -415,10 +364,12 @@ class UMBPWorker:
         self.wait_for_save()
         self.meta = None
 
-    def _track(self, fut: Any) -> None:
+    def _track(self, fut: Future[T]) -> Future[T]:
+        """Keep ``fut`` among the transfers in flight until it is done; returns it."""
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._untrack)
+        return fut
 
     def _untrack(self, fut: Any) -> None:
         with self._lock:
@@ -544,8 +495,7 @@ class UMBPWorker:
         """The store-event reports, the block hashes whose load failed and those stored
         again after a failed load, since the last call (gathers found done now included)."""
         self.storer.report_finished_gathers()
-        off, self._layer_loads_turned_off = self._layer_loads_turned_off, False
-        return self.ledger.drain(off)
+        return self.ledger.drain(self.layer_loads.take_turned_off())
 
     def idle(self) -> bool:
         """No transfer in flight."""
@@ -559,5 +509,5 @@ class UMBPWorker:
         if futs:
             wait(futs, timeout=SHUTDOWN_TIMEOUT_S)
         self._loads.shutdown(wait=False, cancel_futures=True)
-        self._layer_loads.shutdown(wait=False, cancel_futures=True)
+        self._layer_threads.shutdown(wait=False, cancel_futures=True)
         self._stores.shutdown(wait=False, cancel_futures=True)
