@@ -3,7 +3,7 @@
 Runs in the engine's scheduler process. It never blocks on Redis for longer than
 ``lookup_timeout_s``, treats every Redis problem as a miss, and never raises into
 vLLM's step: a bug in a hook is logged, counted and turned into a miss or a dropped
-store (``_guarded``).
+store (``hook_guard``).
 
 The jobs, each in its own module: prefix lookups (``lookups``, with the load-failure
 ``quarantine``), whether a hit loads async (``load_policy``), store planning
@@ -14,11 +14,9 @@ keeps each request's state (``request_state``) and the order of a step's work.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from umbp_redis.data import (
@@ -34,6 +32,8 @@ from umbp_redis.data import (
     block_failures_reportable,
     tp_replicated_group_ids,
 )
+from umbp_redis.engine.handshake import agreed_namespace
+from umbp_redis.engine.hook_guard import check_engine_config, guarded_hook
 from umbp_redis.engine.kv_events import StoredBlockEvents
 from umbp_redis.engine.lazy_store import LazyStorePlanner
 from umbp_redis.engine.load_planner import LoadPlanner
@@ -63,67 +63,10 @@ R = TypeVar("R")
 # from the transfers (measured: docs/performance.md, warm loads, run 4).
 IDLE_WAIT_S = 0.001
 
-# Block hash algorithms of vLLM that are not collision resistant against crafted input.
-_WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
-
 # The request statuses vLLM sets while applying a step's output (a stop condition met).
 _STOPPED_BY_OUTPUT = frozenset(
     {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
 )
-
-
-def _guarded(fallback: Callable[..., Any]) -> Callable[[Callable[..., R]], Callable[..., R]]:
-    """Run a hook; on any exception log it (traceback once per hook), count it and
-    return ``fallback(self, *args, **kwargs)`` instead of raising into vLLM."""
-
-    def wrap(fn: Callable[..., R]) -> Callable[..., R]:
-        @functools.wraps(fn)
-        def guarded(self: UMBPScheduler, *args: Any, **kwargs: Any) -> R:
-            t0 = time.perf_counter()
-            try:
-                return fn(self, *args, **kwargs)
-            except Exception as e:
-                self.errors += 1
-                first = fn.__name__ not in self._logged_errors
-                self._logged_errors.add(fn.__name__)
-                log.error(
-                    "umbp-redis: %s failed (%r); treated as a miss or a dropped store",
-                    fn.__name__,
-                    e,
-                    exc_info=first,
-                )
-                return fallback(self, *args, **kwargs)  # type: ignore[no-any-return]
-            finally:
-                self._hooks_s += time.perf_counter() - t0
-
-        return guarded
-
-    return wrap
-
-
-def check_engine_config(vllm_config: VllmConfig) -> None:
-    """Warn about engine settings a shared cache should not run with; set the load
-    failure policy to ``recompute`` (a block evicted between lookup and load must be
-    recomputed, not fail the user's request)."""
-    ktc = vllm_config.kv_transfer_config
-    if ktc is not None and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
-        # vLLM reads the policy after the connector is made.
-        log.warning(
-            "umbp-redis: kv_transfer_config.kv_load_failure_policy was %r; using "
-            "'recompute' (a block evicted from Redis between lookup and load must be "
-            'recomputed, not fail the request). Set "kv_load_failure_policy": '
-            '"recompute" to silence this warning',
-            ktc.kv_load_failure_policy,
-        )
-        ktc.kv_load_failure_policy = "recompute"
-    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
-    if algo in _WEAK_HASH_ALGOS:
-        log.warning(
-            "umbp-redis: prefix_caching_hash_algo=%s is not collision resistant: in a "
-            "cache shared by several tenants a crafted prompt could collide with another "
-            "tenant's blocks and load their KV. Use sha256 or sha256_cbor for shared caches",
-            algo,
-        )
 
 
 class UMBPScheduler:
@@ -138,7 +81,7 @@ class UMBPScheduler:
         *,
         plane: DataPlane | None = None,
     ) -> None:
-        self.errors = 0  # hook failures turned into misses (see _guarded)
+        self.errors = 0  # hook failures turned into misses (see guarded_hook)
         self.stats = StatsRecorder()  # the per-step account (lookups, hook time)
         self._hooks_s = 0.0  # seconds in guarded hooks since the last step's metadata
         self._logged_errors: set[str] = set()
@@ -261,24 +204,8 @@ class UMBPScheduler:
         this scheduler's (its keys would name other ranks), disable lookups.
         """
         reports = [m for m in metadata.values() if isinstance(m, UMBPHandshakeMetadata)]
-        spaces = {m.namespace for m in reports}
-        mine = self.topology.with_ranks(tp_rank=0, pp_rank=0, pcp_rank=0)
-        foreign = [
-            m.topology
-            for m in reports
-            if m.topology.with_ranks(tp_rank=0, pp_rank=0, pcp_rank=0) != mine
-        ]
-        if foreign:
-            log.error(
-                "umbp-redis: a worker reported parallel sizes %s, the scheduler has %s; "
-                "disabling lookups",
-                foreign[0],
-                mine,
-            )
-            self.codec = None
-            return
-        if len(spaces) != 1:
-            log.error("workers reported namespaces %s; disabling lookups", sorted(spaces))
+        ns = agreed_namespace(reports, self.topology)
+        if ns is None:
             self.codec = None
             return
         policy = self.load_policy
@@ -289,7 +216,6 @@ class UMBPScheduler:
                 "run alongside the step's forward pass",
                 policy.layer_load_max_bytes,
             )
-        ns = spaces.pop()
         if self.codec is None or self.codec.namespace != ns:
             self.codec = BlockIdentityCodec(ns, self.topology, self.replicated)
             log.info("umbp-redis: using key namespace %s", ns)
@@ -306,7 +232,7 @@ class UMBPScheduler:
     def _lookup_fallback(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
-    @_guarded(_lookup_fallback)
+    @guarded_hook(_lookup_fallback)
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -370,7 +296,7 @@ class UMBPScheduler:
         except Exception as e:
             log.error("umbp-redis: cannot report the failed load of %s: %r", request.request_id, e)
 
-    @_guarded(_alloc_fallback)
+    @guarded_hook(_alloc_fallback)
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
     ) -> None:
@@ -499,7 +425,7 @@ class UMBPScheduler:
         in Redis, BlockRemoved for values found invalid and deleted (medium REDIS)."""
         return self.events.take() if self.events is not None else []
 
-    @_guarded(lambda self, connector_output: None)
+    @guarded_hook(lambda self, connector_output: None)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Take the workers' reports: finished loads and stores release their pins,
         failed loads are quarantined, KV events are emitted."""
@@ -535,7 +461,7 @@ class UMBPScheduler:
         self.requests.pop(getattr(request, "request_id", None), None)  # type: ignore[arg-type]
         return False, None
 
-    @_guarded(_finished_fallback)
+    @guarded_hook(_finished_fallback)
     def request_finished(self, request: Request) -> tuple[bool, None]:
         """Forget the request; never delays freeing its blocks (in lazy store mode, its
         blocks may stay pinned until stored, see ``LazyStorePlanner.pin_finishing``)."""
@@ -565,7 +491,7 @@ class UMBPScheduler:
             return
         self.stores.plan_request(st, request.num_computed_tokens, 0, self._ended_held_stores)
 
-    @_guarded(lambda self: False)
+    @guarded_hook(lambda self: False)
     def has_pending_block_frees(self) -> bool:
         """Whether a pending report will return blocks to the free pool.
 
