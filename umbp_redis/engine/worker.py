@@ -473,15 +473,10 @@ class UMBPWorker:
         """Counters since the last call, with the data plane's refused logins/commands,
         unexpected errors (bugs, malformed replies) and cluster events since then."""
         try:
-            counters = self.plane.counters() if hasattr(self.plane, "counters") else {}
+            counters, per_node = self.plane.counters(), self.plane.node_counters()
         except Exception as e:  # a bug here must not reach vLLM's step
             log.error("umbp-redis: cannot read the data plane's counters: %r", e)
-            counters = {}
-        node_counters = getattr(self.plane, "node_counters", None)
-        try:
-            per_node = node_counters() if node_counters is not None else {}
-        except Exception:
-            per_node = {}
+            counters, per_node = {}, {}
         totals = {name: int(counters.get(name, 0)) for name in STORE_COUNTERS}
         totals.update({f"{NODE_FAILURES_PREFIX}{node}": n for node, n in per_node.items()})
         for name, now in totals.items():  # the data plane's totals as this interval's deltas

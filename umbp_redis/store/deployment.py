@@ -88,6 +88,11 @@ class DataPlane(Protocol):
         """Counters since the plane was made."""
         ...
 
+    def node_counters(self) -> dict[str, int]:
+        """Failed calls per Redis Cluster master ("host:port"), since the plane was made;
+        empty for one server."""
+        ...
+
     def warm_up(self) -> None:
         """Start connecting now, off the caller's thread."""
         ...
@@ -310,6 +315,11 @@ class PendingPlane:
         """The inner plane's counters; none while pending."""
         inner = self._inner
         return {} if inner is None else inner.counters()
+
+    def node_counters(self) -> dict[str, int]:
+        """The inner plane's per-master counters; none while pending."""
+        inner = self._inner
+        return {} if inner is None else inner.node_counters()
 
     def warm_up(self) -> None:
         """The inner plane's warm-up."""

@@ -259,6 +259,10 @@ class RedisDataPlane:
         """Every counter, refused logins and commands (``auth_failures``) included."""
         return {**self.stats.snapshot(), "auth_failures": self.auth.count}
 
+    def node_counters(self) -> dict[str, int]:
+        """One server: no per-master counters."""
+        return {}
+
     def warm_up(self) -> None:
         """Start making the lookup connection now, off the caller's thread."""
         self.lookup_conn.start()
