@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from umbp_redis.data import (
     BlockIdentityCodec,
@@ -56,11 +56,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-R = TypeVar("R")
 
 # How long a step with nothing to compute but loads in flight waits before it hands
 # the step back: vLLM's engine loop would otherwise spin and take the CPU and the GIL
-# from the transfers (measured: docs/performance.md, warm loads, run 4).
+# from the transfers (measured: docs/performance.md, warm loads).
 IDLE_WAIT_S = 0.001
 
 # The request statuses vLLM sets while applying a step's output (a stop condition met).
