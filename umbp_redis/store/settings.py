@@ -247,8 +247,12 @@ class RedisSettings:
     op_timeout_s: float = OPTIONS_BY_NAME["op_timeout_s"].default
     lookup_timeout_s: float = OPTIONS_BY_NAME["lookup_timeout_s"].default
     max_connections: int = OPTIONS_BY_NAME["max_connections"].default
-    transfer_connections: int = transfer_connection_count(
-        OPTIONS_BY_NAME["transfer_connections"].default
+    # The default is resolved when settings are made, not when this module is imported
+    # (``auto`` reads the container's CPU limits).
+    transfer_connections: int = dataclasses.field(
+        default_factory=lambda: transfer_connection_count(
+            OPTIONS_BY_NAME["transfer_connections"].default
+        )
     )
     # Bytes of values requested but not yet read, per connection: bounds the server's
     # client output buffers (they count toward maxmemory). Not an option: see
