@@ -13,10 +13,9 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 
-def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
-    tiny_model: Path, tmp_path: Path
-) -> None:
-    png = tmp_path / "ttft.png"
+def run_bench_fleet(model: Path, work: Path, *args: str) -> dict:  # type: ignore[type-arg]
+    """``umbp-redis bench fleet --json`` of no-connector and umbp-redis on ``model``, 16
+    blocks per engine, 4 answer tokens, one repeat, with ``args``; its JSON result."""
     out = subprocess.run(
         [
             sys.executable,
@@ -25,19 +24,9 @@ def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
             "bench",
             "fleet",
             "--model",
-            str(tiny_model),
+            str(model),
             "--configs",
             "no-connector,umbp-redis",
-            "--conversations",
-            "2",
-            "--rounds",
-            "3",
-            "--system-tokens",
-            "300",
-            "--user-tokens",
-            "64",
-            "--assistant-tokens",
-            "100",
             "--answer-tokens",
             "4",
             "--blocks",
@@ -46,17 +35,38 @@ def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
             "1",
             "--quiet",
             "--json",
-            "--png",
-            str(png),
             "--work-dir",
-            str(tmp_path),
+            str(work),
+            *args,
         ],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    png = tmp_path / "ttft.png"
+    result = run_bench_fleet(
+        tiny_model,
+        tmp_path,
+        "--conversations",
+        "2",
+        "--rounds",
+        "3",
+        "--system-tokens",
+        "300",
+        "--user-tokens",
+        "64",
+        "--assistant-tokens",
+        "100",
+        "--png",
+        str(png),
+    )
     runs = {r["config"]: r for r in result["runs"]}
     assert set(runs) == {"no-connector", "umbp-redis"}
     for run in runs.values():
@@ -83,44 +93,20 @@ def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
 def test_vllms_client_warms_one_engine_and_the_other_loads_its_prefixes_from_redis(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "umbp_redis.ops.cli",
-            "bench",
-            "fleet",
-            "--workload",
-            "vllm-prefix-repetition",
-            "--model",
-            str(tiny_model),
-            "--configs",
-            "no-connector,umbp-redis",
-            "--prompts",
-            "6",
-            "--prefixes",
-            "2",
-            "--prefix-tokens",
-            "300",
-            "--suffix-tokens",
-            "64",
-            "--answer-tokens",
-            "4",
-            "--blocks",
-            "16",
-            "--repeats",
-            "1",
-            "--quiet",
-            "--json",
-            "--work-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_bench_fleet(
+        tiny_model,
+        tmp_path,
+        "--workload",
+        "vllm-prefix-repetition",
+        "--prompts",
+        "6",
+        "--prefixes",
+        "2",
+        "--prefix-tokens",
+        "300",
+        "--suffix-tokens",
+        "64",
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
     runs = {r["config"]: r for r in result["runs"]}
     for run in runs.values():
         warm = [q for q in run["requests"] if q["round_index"] == 0]

@@ -19,6 +19,14 @@ from dataclasses import dataclass
 FIRST_TOKEN_ID = 3
 
 
+def _require_at_least(shape: object, minimum: int, *names: str) -> None:
+    """Raise ``ValueError`` naming the first of ``names`` whose value on ``shape`` is
+    below ``minimum``."""
+    for name in names:
+        if getattr(shape, name) < minimum:
+            raise ValueError(f"{name} must be at least {minimum}, got {getattr(shape, name)}")
+
+
 @dataclass(frozen=True)
 class ConversationShape:
     """How long each part of a conversation is, in tokens."""
@@ -34,12 +42,8 @@ class ConversationShape:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field out of range."""
-        for name in ("conversations", "rounds", "user_tokens", "answer_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("system_tokens", "assistant_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        _require_at_least(self, 1, "conversations", "rounds", "user_tokens", "answer_tokens")
+        _require_at_least(self, 0, "system_tokens", "assistant_tokens")
         if self.vocab_size <= FIRST_TOKEN_ID + 1:
             raise ValueError(f"vocab_size must exceed {FIRST_TOKEN_ID + 1}, got {self.vocab_size}")
 
@@ -75,12 +79,16 @@ class RepetitionShape:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field out of range."""
-        for name in ("prompts", "prefixes", "prefix_tokens", "suffix_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("answer_tokens", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        _require_at_least(
+            self,
+            1,
+            "prompts",
+            "prefixes",
+            "prefix_tokens",
+            "suffix_tokens",
+            "answer_tokens",
+            "concurrency",
+        )
         if self.prompts < self.prefixes:
             raise ValueError(
                 f"prompts ({self.prompts}) must be at least prefixes ({self.prefixes})"
