@@ -84,7 +84,6 @@ class UMBPScheduler:
         self.stats = StatsRecorder()  # the per-step account (lookups, hook time)
         self._hooks_s = 0.0  # seconds in guarded hooks since the last step's metadata
         self._logged_errors: set[str] = set()
-        self._reported: dict[str, int] = {}  # counter totals already in the stats
         check_engine_config(vllm_config)
         ktc = vllm_config.kv_transfer_config
         role = ktc.kv_role if ktc else "kv_both"
@@ -276,11 +275,7 @@ class UMBPScheduler:
     def take_stats(self) -> dict[str, Any]:
         """The scheduler's per-step account and its counters' increments since the last
         call (and reset them)."""
-        for name, total in self._counter_totals().items():
-            delta = total - self._reported.get(name, 0)
-            if delta:
-                self._reported[name] = total
-                self.stats.add(**{name: delta})
+        self.stats.add_totals(self._counter_totals())
         return self.stats.take()
 
     # -- loads ------------------------------------------------------------------------

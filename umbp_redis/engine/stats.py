@@ -61,6 +61,16 @@ class StatsRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.values: dict[str, Any] = dict.fromkeys(self.FIELDS, 0)
+        self._seen_totals: dict[str, int] = {}  # for add_totals
+
+    def add_totals(self, totals: dict[str, int]) -> None:
+        """Add counters kept elsewhere as running totals: each one's growth since the
+        last call (a total that shrank, as from a new source, restarts from there)."""
+        for name, now in totals.items():
+            delta = now - self._seen_totals.get(name, 0)
+            self._seen_totals[name] = now
+            if delta > 0:
+                self.add(**{name: delta})
 
     def add(self, **kw: float) -> None:
         """Add to counters."""

@@ -119,7 +119,6 @@ class UMBPWorker:
         # Failed loads as block ids where vLLM takes them, else as failed requests.
         self.fails_per_request = not block_failures_reportable(kv_cache_config)
         self.ledger = WorkerLedger(self.fails_per_request)
-        self._seen_counters: dict[str, int] = {}
         # Free to leave the forward pass's cores where vLLM binds them (transfer_cpus).
         pin = thread_pinner(settings.transfer_cpus)
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="umbp-load", initializer=pin)
@@ -479,11 +478,7 @@ class UMBPWorker:
             counters, per_node = {}, {}
         totals = {name: int(counters.get(name, 0)) for name in STORE_COUNTERS}
         totals.update({f"{NODE_FAILURES_PREFIX}{node}": n for node, n in per_node.items()})
-        for name, now in totals.items():  # the data plane's totals as this interval's deltas
-            delta = now - self._seen_counters.get(name, 0)
-            self._seen_counters[name] = now
-            if delta > 0:
-                self.stats.add(**{name: delta})
+        self.stats.add_totals(totals)  # the data plane's totals as this interval's deltas
         return self.stats.take()
 
     def build_worker_meta(self) -> UMBPConnectorWorkerMetadata | None:
