@@ -64,6 +64,11 @@ def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
         "64",
         "--assistant-tokens",
         "100",
+        # A user reads each answer before the next turn: round r's blocks, stored
+        # eagerly after the step that computed them, are in Redis when round r + 1
+        # looks them up on the other engine.
+        "--think-time-s",
+        "0.5",
         "--png",
         str(png),
     )
@@ -82,6 +87,10 @@ def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
     later = [q for q in umbp["requests"] if q["round_index"] > 0]
     base = [q for q in runs["no-connector"]["requests"] if q["round_index"] > 0]
     assert sum(q["cached_tokens"] for q in later) > sum(q["cached_tokens"] for q in base)
+    # Round 2 (692 tokens) runs where round 0 did: locally only round 0's two full
+    # blocks; the other engine's round 1 put four full blocks (512 tokens) in Redis.
+    assert all(q["cached_tokens"] >= 512 for q in umbp["requests"] if q["round_index"] == 2)
+    assert all(q["cached_tokens"] == 256 for q in base if q["round_index"] == 2)
     # The per-step account reached Prometheus: one lookup per new request at least.
     assert umbp["counters"]["vllm:umbp_lookup_seconds_count"] >= 6
     assert umbp["counters"]["vllm:umbp_store_cpu_seconds_count"] > 0

@@ -155,6 +155,12 @@ def _register_fleet(targets: Any) -> None:
         default=0.0,
         help="conversations started per second (default 0: all at once)",
     )
+    fl.add_argument(
+        "--think-time-s",
+        type=float,
+        default=0.0,
+        help="seconds between an answer and the conversation's next turn (default 0)",
+    )
     fl.add_argument("--blocks", type=int, default=24, help="KV blocks per engine (default 24)")
     fl.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     fl.add_argument(
@@ -236,6 +242,8 @@ def _run_fleet(args: argparse.Namespace) -> int:
         unknown = sorted(set(wanted) - set(BASE_CONFIGS))
         if unknown:
             raise ValueError(f"--configs: unknown {unknown}; choose from {BASE_CONFIGS}")
+        if args.conversation_rate < 0 or args.think_time_s < 0:
+            raise ValueError("--conversation-rate and --think-time-s must be at least 0")
         repetition = None
         if args.workload == "vllm-prefix-repetition":
             if args.engines != 2:
@@ -277,6 +285,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         shape=shape,
         block_size=block_size,
         conversation_rate=args.conversation_rate,
+        think_time_s=args.think_time_s,
         log_dir=work / "logs",
         repetition=repetition,
     )

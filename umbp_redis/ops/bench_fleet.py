@@ -301,6 +301,7 @@ async def _run_conversations(
     script: ConversationScript,
     router: Router,
     conversation_rate: float,
+    think_time_s: float,
     on_request: Callable[[], None],
     timeout_s: float,
 ) -> list[RequestRecord]:
@@ -317,6 +318,8 @@ async def _run_conversations(
             if conversation_rate > 0:
                 await asyncio.sleep(c / conversation_rate)
             for r in range(shape.rounds):
+                if r and think_time_s > 0:
+                    await asyncio.sleep(think_time_s)  # the user reads the answer
                 turn = script.turn(c, r)
                 e = router.engine_for(c, r, in_flight)
                 sent = time.perf_counter() - start
@@ -383,6 +386,7 @@ class FleetPlan:
     shape: ConversationShape
     block_size: int
     conversation_rate: float = 0.0
+    think_time_s: float = 0.0  # between an answer and the conversation's next turn
     request_timeout_s: float = 600.0
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="umbp-fleet-")))
     # Set: the workload is vLLM's client on this dataset instead of the conversations.
@@ -480,6 +484,7 @@ def run_config(
                     ConversationScript(plan.shape),
                     Router(config.router, plan.engines),
                     plan.conversation_rate,
+                    plan.think_time_s,
                     on_request,
                     plan.request_timeout_s,
                 )
@@ -604,6 +609,7 @@ def run_fleet_bench(
             "block_size": plan.block_size,
             "shape": asdict(plan.shape),
             "conversation_rate": plan.conversation_rate,
+            "think_time_s": plan.think_time_s,
             "repetition": asdict(plan.repetition) if plan.repetition else None,
             "log_dir": str(plan.log_dir),
         },
