@@ -114,9 +114,12 @@ def test_vllms_client_warms_one_engine_and_the_other_loads_its_prefixes_from_red
         "--prefix-tokens",
         "300",
         "--suffix-tokens",
-        "64",
+        "200",
+        "--variant",
+        "admit:store_after_requests=2",
     )
     runs = {r["config"]: r for r in result["runs"]}
+    assert set(runs) == {"no-connector", "umbp-redis", "admit"}
     for run in runs.values():
         warm = [q for q in run["requests"] if q["round_index"] == 0]
         measured = [q for q in run["requests"] if q["round_index"] == 1]
@@ -128,8 +131,18 @@ def test_vllms_client_warms_one_engine_and_the_other_loads_its_prefixes_from_red
     # of engine 0's work reaches it; with it, every prefix's full blocks come from Redis.
     assert runs["no-connector"]["counters"].get("vllm:external_prefix_cache_hits_total", 0) == 0
     umbp = runs["umbp-redis"]
-    assert umbp["counters"]["vllm:external_prefix_cache_hits_total"] >= 2 * 256
-    assert umbp["counters"]["vllm:umbp_blocks_loaded_total"] >= 2 * 2
+    # Each prompt is a 300-token prefix and a 200-token suffix: blocks 0-1 are the
+    # prefix's, block 2 is the prompt's own. Engine 0 stored every one, so engine 1
+    # loads each prefix (once at least) and each prompt's own block, and stores nothing.
+    c = umbp["counters"]
+    assert c["vllm:external_prefix_cache_hits_total"] >= (2 * 2 + 6) * 128
+    assert c["vllm:umbp_blocks_stored_total"] == 0
+    # With the admission rule engine 0 stored only the blocks two of its requests asked
+    # for, the prefixes': engine 1 loads them, and each prompt's own block, asked for a
+    # second time now, is computed and stored.
+    c = runs["admit"]["counters"]
+    assert 2 * 2 * 128 <= c["vllm:external_prefix_cache_hits_total"] <= 6 * 2 * 128
+    assert c["vllm:umbp_blocks_stored_total"] == 6
     summary = result["summary"]
     assert (
         summary["umbp-redis"]["hit_tokens"]["median"]
@@ -137,3 +150,4 @@ def test_vllms_client_warms_one_engine_and_the_other_loads_its_prefixes_from_red
     )
     # Never a wrong token: engine 1's answers equal those of the engine without it.
     assert summary["umbp-redis"]["outputs_equal_share"]["median"] == 1.0
+    assert summary["admit"]["outputs_equal_share"]["median"] == 1.0

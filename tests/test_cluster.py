@@ -316,6 +316,28 @@ def test_block_lookups_cover_every_rank_key_in_one_call(clean_cluster: EmbeddedC
     plane.close()
 
 
+def test_request_counts_ride_with_a_cluster_lookup_and_keep_their_values(
+    clean_cluster: EmbeddedCluster,
+) -> None:
+    plane = cluster_plane(clean_cluster.url)
+    prefix = b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:"
+    enc = plane.lookup_encoder([prefix], refresh_ttl=True, hash_hex_len=64)
+    cnt = plane.request_count_encoder(b"umbp:vllm:v1:ns:asked:", hash_hex_len=64)
+    hashes = [f"{i:064x}".encode() for i in range(30)]
+    rc = clean_cluster.cluster_client()
+    rc.set(prefix + hashes[0], b"x")
+    blocks = [enc.encode(h) for h in hashes] + [cnt.encode(h) for h in hashes]
+    assert len({b.slots[0] for b in blocks[30:]}) > 20  # counters spread over the masters
+    for n in (1, 2, 3):
+        replies = plane.lookup_blocks(blocks, 90, counted_from=30)
+        assert replies is not None
+        assert replies[:30] == [1] + [0] * 29
+        assert replies[30::2] == [n] * 30 and replies[31::2] == [1] * 30
+    assert plane.counters()["cluster_node_failures"] == 0
+    rc.close()
+    plane.close()
+
+
 def test_stale_map_follows_moved(clean_cluster: EmbeddedCluster) -> None:
     plane = cluster_plane(clean_cluster.url)
     m = plane.slot_map

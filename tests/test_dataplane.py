@@ -17,6 +17,7 @@ from fake_servers import FakeServer, loading_server
 from helpers import wait_until_server_is_asleep
 from typed_redis import raw
 
+from umbp_redis.data.keys import parse_key
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.store import plane as dataplane
 from umbp_redis.store import resp
@@ -88,6 +89,33 @@ def test_lookup_refreshes_ttl_of_hits(plane: RedisDataPlane, redis_url: str) -> 
     assert plane.lookup(keys, refresh_ttl=True) == [True, False, False]
     assert r.ttl(keys[0]) > 10_000  # re-armed to ttl_seconds (default 86400)
     assert not r.exists(keys[1])
+
+
+def test_request_counts_ride_with_a_lookup_and_a_full_redis_refusing_them_fails_nothing(
+    own_redis: EmbeddedRedis,
+) -> None:
+    r = redis.Redis.from_url(own_redis.url)
+    plane = make_plane(own_redis.url, ttl_seconds=600)
+    prefix = b"umbp:vllm:v1:cnt:tp0:pcp0:dcp0:pp0:g0:"
+    counter_prefix = b"umbp:vllm:v1:cnt:asked:"
+    enc = plane.lookup_encoder([prefix], refresh_ttl=True, hash_hex_len=64)
+    cnt = plane.request_count_encoder(counter_prefix, hash_hex_len=64)
+    hashes = [b"%064x" % i for i in range(3)]
+    r.set(prefix + hashes[0], b"x")
+    blocks = [enc.encode(h) for h in hashes] + [cnt.encode(h) for h in hashes]
+    # Lookup replies, then (count, EXPIRE's 1) per block.
+    assert plane.lookup_blocks(blocks, 9, counted_from=3) == [1, 0, 0, 1, 1, 1, 1, 1, 1]
+    assert plane.lookup_blocks(blocks, 9, counted_from=3) == [1, 0, 0, 2, 1, 2, 1, 2, 1]
+    assert 0 < r.ttl(counter_prefix + hashes[1]) <= 600
+    with pytest.raises(ValueError):
+        parse_key(counter_prefix + hashes[1])  # not a block key: ls and inspect skip it
+    # A full Redis that evicts nothing refuses INCR: the counts read 0 (nothing is
+    # admitted), the lookup still answers.
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)
+    assert plane.lookup_blocks(blocks, 9, counted_from=3) == [1, 0, 0, 0, 1, 0, 1, 0, 1]
+    assert int(r.get(counter_prefix + hashes[0])) == 2
+    plane.close()
 
 
 # --- values in parts (loads by layer) --------------------------------------------------

@@ -122,6 +122,16 @@ def test_configs_variants_and_the_ideal_cache_size() -> None:
     assert v.env == {"PYTHONPATH": "/a"} and v.transfer_fields == {"kv_role": "kv_consumer"}
     sticky = build_configs("round-robin", 24, 96, variants=[v])[-1]
     assert sticky.router == "sticky" and sticky.engine_env == (("PYTHONPATH", "/a"),)
+    admit = build_configs(
+        "round-robin",
+        24,
+        96,
+        variants=[parse_variant("a:store_after_requests=2,redis.maxmemory_share=0.5")],
+    )[-1]
+    assert admit.connector_options == (("store_after_requests", 2),)
+    assert admit.redis_maxmemory_share == 0.5
+    with pytest.raises(ValueError, match="maxmemory_share"):
+        parse_variant("a:redis.maxmemory_share=2")
     with pytest.raises(ValueError, match="router must be one of"):
         parse_variant("x@nearest:a=1")
     with pytest.raises(ValueError, match=r"NAME\[@ROUTER\]:key=value"):

@@ -23,7 +23,7 @@ from umbp_redis.data import (
 )
 from umbp_redis.engine.options import EngineOptions, parse_connector_options
 from umbp_redis.engine.scheduler import UMBPScheduler
-from umbp_redis.store.commands import ClusterLookupEncoder, LookupEncoder
+from umbp_redis.store.commands import ClusterLookupEncoder, LookupEncoder, RequestCountEncoder
 from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.slots import key_slot
 
@@ -48,13 +48,15 @@ def parse_commands(buf: bytes) -> list[list[bytes]]:
 
 
 class ScriptedDataPlane:
-    """Answers encoded lookups (EXPIRE/TOUCH) from a set of present keys; records the keys
-    each lookup asked about, in order."""
+    """Answers encoded lookups (EXPIRE/TOUCH) from a set of present keys and request
+    counts (INCR, and EXPIRE of a counter) from a dict; records the block keys each
+    lookup asked about, in order."""
 
     def __init__(self, present: set[str] | None = None, fail: bool = False) -> None:
         self.present = present or set()
         self.fail = fail
         self.calls: list[list[str]] = []
+        self.asked: dict[str, int] = {}  # request counters by key
 
     lookup_mode = "standalone"
 
@@ -68,13 +70,24 @@ class ScriptedDataPlane:
             prefixes, refresh_ttl=refresh_ttl, ttl=b"86400", hash_hex_len=hash_hex_len
         )
 
-    def lookup_blocks(self, blocks: list[bytes], count: int) -> list[int] | None:
+    def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> RequestCountEncoder:
+        return RequestCountEncoder(prefix, ttl=b"86400", hash_hex_len=hash_hex_len, slotted=False)
+
+    def lookup_blocks(
+        self, blocks: list[bytes], count: int, *, counted_from: int | None = None
+    ) -> list[int] | None:
         return self.lookup_replies(b"".join(blocks), count)
 
     def lookup_replies(self, buf: bytes, count: int) -> list[int] | None:
         cmds = parse_commands(buf)
         asked, replies = [], []
         for cmd in cmds:
+            if b":asked:" in cmd[1]:
+                key = cmd[1].decode()
+                if cmd[0] == b"INCR":
+                    self.asked[key] = self.asked.get(key, 0) + 1
+                replies.append(self.asked[key] if cmd[0] == b"INCR" else 1)
+                continue
             keys = [k.decode() for k in (cmd[1:2] if cmd[0] == b"EXPIRE" else cmd[1:])]
             asked.extend(keys)
             replies.append(sum(k in self.present for k in keys))
@@ -1203,3 +1216,72 @@ def test_a_failed_sync_load_takes_its_blocks_out_of_vllms_prefix_cache(
     assert blocks[0].block_hash is not None  # before the load: vLLM's own, still a hit
     assert all(b.block_hash is None for b in blocks[1:5])  # loaded, or computed on them
     assert s.loads.uncached_blocks == 5  # the request's blocks from the load on
+
+
+def test_with_an_admission_rule_a_block_is_stored_once_enough_requests_asked_for_it(
+    model_config: ModelConfig,
+) -> None:
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, load_async=False, store_after_requests=2)
+    pool = FakeBlockPool(32)
+    s.bind_block_pool(pool)
+    assert s.codec is not None
+    first = request(3 * BS + 40)
+    # The first lookup counts the request against each of its 3 prompt blocks, in the
+    # same round trip as the lookup itself: asked once, none is admitted.
+    assert s.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert len(plane.calls) == 1
+    counters = [s.codec.request_count_prefix + h.hex() for h in first.block_hashes]
+    assert plane.asked == dict.fromkeys(counters, 1)
+    meta = s.build_connector_meta(
+        _step(new=[("r1", ([5, 6, 7, 8],), 0)], sched={"r1": 3 * BS + 40})
+    )
+    assert meta.stores == []
+    # Asked again (same lookup state): not counted twice.
+    s.get_num_new_matched_tokens(first, 0)
+    assert plane.asked == dict.fromkeys(counters, 1)
+    # A second request shares the first two blocks, which this engine holds locally but
+    # Redis lacks: now asked twice, they are stored; its own third block is not.
+    second = FakeRequest("r2", 3 * BS + 40, [*first.block_hashes[:2], b"\x99" * 32])
+    assert s.get_num_new_matched_tokens(second, 2 * BS) == (0, False)
+    meta = s.build_connector_meta(
+        _step(new=[("r2", ([5, 6, 9, 10],), 2 * BS)], sched={"r2": BS + 40})
+    )
+    assert [(list(b.block_ids), list(b.block_hashes)) for b in meta.stores] == [
+        ([5, 6], first.block_hashes[:2])
+    ]
+    # Once Redis holds them, a third request finds them there and stores nothing again.
+    plane.present = {s.codec.key(h, 0) for h in first.block_hashes[:2]}
+    third = FakeRequest("r3", 3 * BS + 40, [*first.block_hashes[:2], b"\x98" * 32])
+    assert s.get_num_new_matched_tokens(third, 2 * BS) == (0, False)
+    meta = s.build_connector_meta(
+        _step(new=[("r3", ([5, 6, 11, 12],), 2 * BS)], sched={"r3": BS + 40})
+    )
+    assert meta.stores == []
+    assert plane.asked[counters[0]] == 3
+
+
+def test_a_request_whose_counting_lookup_failed_stores_nothing(model_config: ModelConfig) -> None:
+    plane = ScriptedDataPlane(fail=True)
+    s = make_scheduler(model_config, plane, load_async=False, store_after_requests=2)
+    s.bind_block_pool(FakeBlockPool(32))
+    req = request(3 * BS + 40)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = s.build_connector_meta(
+        _step(new=[("r1", ([5, 6, 7, 8],), 0)], sched={"r1": 3 * BS + 40})
+    )
+    assert meta.stores == []
+
+
+def test_the_admission_rule_needs_lookups(model_config: ModelConfig) -> None:
+    with pytest.raises(ConfigError, match=r"store_after_requests.*kv_both"):
+        make_scheduler(
+            model_config, ScriptedDataPlane(), role="kv_producer", store_after_requests=2
+        )
+    with pytest.raises(ConfigError, match="store_after_requests"):
+        parse_connector_options({"store_after_requests": 0})
+    # Without the rule nothing is counted.
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
+    s.get_num_new_matched_tokens(request(3 * BS + 40), 0)
+    assert plane.asked == {}

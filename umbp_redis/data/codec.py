@@ -51,6 +51,12 @@ class BlockIdentityCodec:
             cache[group_id] = out
         return out
 
+    @property
+    def request_count_prefix(self) -> str:
+        """``umbp:vllm:v1:{namespace}:asked:``: with a block's hash hex, the key counting
+        the requests that asked for its prefix (one per block, for every rank and group)."""
+        return f"{KEY_PREFIX}:{self.namespace}:asked:"
+
     def key(self, block_hash: bytes, group_id: int, rank: RankTopology | None = None) -> str:
         """The key of ``block_hash`` in ``group_id`` for ``rank`` (default: this process)."""
         if not isinstance(block_hash, bytes | bytearray) or not block_hash:

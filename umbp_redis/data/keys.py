@@ -2,6 +2,10 @@
 
 ``umbp:vllm:v1:{namespace}:tp{tp}:pcp{pcp}:dcp{dcp}:pp{pp}:g{group_id}:{block_hash hex}``;
 ``BlockIdentityCodec`` in ``umbp_redis.data`` builds the keys, this module reads them.
+With ``store_after_requests`` above 1 a namespace also holds one counter per block,
+``umbp:vllm:v1:{namespace}:asked:{block_hash hex}`` (an integer string): it matches the
+namespace's SCAN pattern (``purge`` removes it) but is not a block key (``parse_key``
+refuses it).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Keys and their encoded lookup commands are built once per block hash and kept wi
 request; a lookup covers the whole prefix chain the request relies on (blocks the
 engine's own prefix cache holds included), so every request that shares a prefix
 refreshes it in Redis (TTL or LRU clock) and LRU eviction takes unshared suffixes first.
+With a store admission rule (``store_after_requests`` above 1) a request's first lookup
+also counts it against every block of its prompt, in the same round trip.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ class PrefixLookup:
     With ``lookup_async`` the lookup runs on a thread of its own: the first call for a
     request state starts it and answers None (ask again), a later call with the same
     state returns its answer. Blocks in ``quarantine`` end a hit.
+
+    With ``admit_after`` above 1 the first lookup of a request also increments each of
+    its prompt blocks' request counter and records in ``st.admitted_blocks`` the leading
+    blocks asked for by at least ``admit_after`` requests (0 when that lookup failed),
+    and every lookup records in ``st.redis_prefix_blocks`` the leading blocks Redis
+    holds, the engine's own included (the rule leaves some of those out of Redis).
     """
 
     def __init__(
@@ -38,6 +46,7 @@ class PrefixLookup:
         *,
         refresh_ttl: bool,
         lookup_async: bool,
+        admit_after: int = 1,
     ) -> None:
         self.plane = plane
         self.groups = groups
@@ -46,12 +55,16 @@ class PrefixLookup:
         self.quarantine = quarantine
         self.stats = stats
         self.refresh_ttl = refresh_ttl
+        self.admit_after = admit_after
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="umbp-lookup") if lookup_async else None
         )
-        self._pending: dict[str, tuple[tuple[Any, ...], Future[list[int] | None]]] = {}
+        # Per request: (signature, lookup in flight, whether it counts the request).
+        self._pending: dict[str, tuple[tuple[Any, ...], Future[list[int] | None], bool]] = {}
         # Per hash length: the codec and lookup mode it was built for, and the encoders.
         self._encoders: dict[int, tuple[BlockIdentityCodec, str, Any]] = {}
+        # Per hash length: the codec and lookup mode of the request-count encoder.
+        self._count_encoders: dict[int, tuple[BlockIdentityCodec, str, Any]] = {}
 
     def hit_blocks(
         self, st: RequestState, num_computed_tokens: int, codec: BlockIdentityCodec
@@ -70,30 +83,44 @@ class PrefixLookup:
             return 0
         replies_per_block = st.replies_per_block
         count = n_blocks * replies_per_block
+        counts = self.admit_after > 1 and st.admitted_blocks is None
         if self._pool is not None:
             sig = (num_computed_tokens, n_blocks)
             entry = self._pending.get(request.request_id)
             if entry is None or entry[0] != sig:
                 n_cmds = n_blocks * len(self.groups)
-                fut = self._pool.submit(self._timed, cmds[:n_cmds], count)
-                self._pending[request.request_id] = (sig, fut)
+                send = cmds[:n_cmds] + (self._count_commands(st, codec, n_blocks) if counts else [])
+                fut = self._pool.submit(self._timed, send, count, n_blocks if counts else 0)
+                self._pending[request.request_id] = (sig, fut, counts)
                 return None
             if not entry[1].done():
                 return None
             replies = entry[1].result()
+            counts = entry[2]
         else:
-            replies = self._timed(cmds, count)
-        if replies is None or len(replies) != count:
+            send = cmds + (self._count_commands(st, codec, n_blocks) if counts else [])
+            replies = self._timed(send, count, n_blocks if counts else 0)
+        if counts:
+            # A request counts itself in its first lookup (again only if an async lookup
+            # was superseded before its answer came); a lookup that failed admits nothing.
+            asked = replies[count::2] if replies is not None else []
+            st.admitted_blocks = next(
+                (b for b, c in enumerate(asked) if c < self.admit_after), len(asked)
+            )
+        if replies is None or len(replies) != count + (2 * n_blocks if counts else 0):
             return 0
         now = self.quarantine.now()
         groups = st.group_replies
         skipped = False
 
-        def present(b: int, pos: int) -> bool:
-            nonlocal skipped
+        def in_redis(b: int, pos: int) -> bool:
             first, n, keys = groups[pos]
             at = b * replies_per_block + first
-            if sum(replies[at : at + n]) != keys:
+            return sum(replies[at : at + n]) == keys
+
+        def present(b: int, pos: int) -> bool:
+            nonlocal skipped
+            if not in_redis(b, pos):
                 return False
             if now is not None and self.quarantine.holds(self.hashing.hash_of(request, b), now):
                 skipped = True
@@ -101,6 +128,8 @@ class PrefixLookup:
             return True
 
         plans = self.group_plans
+        if self.admit_after > 1:
+            st.redis_prefix_blocks = plans.full_prefix_end(0, n_blocks, in_redis)
         if not plans.all_full:
             st.absent = {
                 (b, pos)
@@ -149,11 +178,34 @@ class PrefixLookup:
                 st.replies_per_block = first
         return cmds
 
-    def _timed(self, cmds: list[Any], count: int) -> list[int] | None:
-        """The data plane's lookup of ``cmds``, its time recorded as ``lookup_s``."""
+    def _count_commands(
+        self, st: RequestState, codec: BlockIdentityCodec, n_blocks: int
+    ) -> list[Any]:
+        """Encoded request counts of blocks [0, n_blocks) of ``st``'s request."""
+        mode = self.plane.lookup_mode
+        out = []
+        for i in range(n_blocks):
+            h = self.hashing.hash_of(st.request, i)
+            if h is None:
+                break
+            hx = h.hex().encode()
+            enc = self._count_encoders.get(len(hx))
+            if enc is None or enc[0] is not codec or enc[1] != mode:
+                encoder = self.plane.request_count_encoder(
+                    codec.request_count_prefix.encode(), hash_hex_len=len(hx)
+                )
+                enc = self._count_encoders[len(hx)] = (codec, mode, encoder)
+            out.append(enc[2].encode(hx))
+        return out
+
+    def _timed(self, cmds: list[Any], count: int, counted_blocks: int = 0) -> list[int] | None:
+        """The data plane's lookup of ``cmds`` (``count`` lookup replies, then two per
+        counted block), its time recorded as ``lookup_s``."""
         t0 = time.perf_counter()
         try:
-            return self.plane.lookup_blocks(cmds, count)
+            if not counted_blocks:
+                return self.plane.lookup_blocks(cmds, count)
+            return self.plane.lookup_blocks(cmds, count + 2 * counted_blocks, counted_from=count)
         finally:
             self.stats.observe("lookup_s", time.perf_counter() - t0)
 

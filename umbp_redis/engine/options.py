@@ -89,6 +89,18 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         choices=("eager", "lazy"),
     ),
     Option(
+        "store_after_requests",
+        int,
+        1,
+        "Store a prompt block only once this many requests anywhere in the fleet asked for "
+        "its prefix (1: every block is stored). Each request's lookup counts itself in "
+        "Redis, in the same round trip, against every block of its prompt (one small key "
+        "per block, kept for ttl_seconds); 2 keeps single-use prompt tails out of a Redis "
+        "smaller than the working set, at the cost of a block's first reuse elsewhere. "
+        "Above 1 it needs lookups (kv_role kv_both).",
+        minimum=1,
+    ),
+    Option(
         "max_staging_bytes",
         int,
         256 * MiB,
@@ -173,6 +185,7 @@ class EngineOptions:
     sync_load_timeout_s: float = _default("sync_load_timeout_s")
     save_decode_cache: bool = _default("save_decode_cache")
     store_mode: str = _default("store_mode")
+    store_after_requests: int = _default("store_after_requests")
     max_staging_bytes: int = _default("max_staging_bytes")
     copy_backend: str = _default("copy_backend")
     load_failure_quarantine_s: float = _default("load_failure_quarantine_s")

@@ -56,3 +56,8 @@ class RequestState:
     # (block, group position) the last lookup found absent, for groups that store only
     # the blocks before hit points (they may lack blocks the engine holds locally).
     absent: set[tuple[int, int]] = field(default_factory=set)
+    # With a store admission rule: blocks [0, admitted_blocks) of the prompt were asked
+    # for by enough requests to be stored (None: not counted yet), and blocks
+    # [0, redis_prefix_blocks) were in Redis at the last lookup.
+    admitted_blocks: int | None = None
+    redis_prefix_blocks: int = 0

@@ -46,6 +46,7 @@ from umbp_redis.engine.request_state import BlockHashing, RequestState
 from umbp_redis.engine.stats import StatsRecorder
 from umbp_redis.engine.store_planner import StorePlanner
 from umbp_redis.store.deployment import DataPlane, shared_plane
+from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.settings import RedisSettings
 
 if TYPE_CHECKING:
@@ -89,6 +90,13 @@ class UMBPScheduler:
         role = ktc.kv_role if ktc else "kv_both"
         self.can_load = role in ("kv_consumer", "kv_both")
         self.can_store = role in ("kv_producer", "kv_both")
+        # Blocks are admitted to Redis by request counts that lookups keep.
+        self.store_after_requests = options.store_after_requests
+        if self.store_after_requests > 1 and role == "kv_producer":
+            raise ConfigError(
+                "kv_connector_extra_config['store_after_requests'] above 1 counts requests "
+                "in lookups, which a kv_producer does not make: use kv_role kv_both"
+            )
         self.topology = RankTopology.from_vllm_config(vllm_config)
         groups = kv_cache_config.kv_cache_groups
         self.groups = [
@@ -141,6 +149,7 @@ class UMBPScheduler:
             self.stats,
             refresh_ttl=settings.refresh_ttl_on_lookup,
             lookup_async=options.lookup_async,
+            admit_after=self.store_after_requests,
         )
         self.num_workers = self.topology.num_rank_namespaces
         self.pins = BlockPins(self.num_workers)
@@ -174,6 +183,7 @@ class UMBPScheduler:
             save_decode=options.save_decode_cache,
             events=self.events,
             lazy=self.lazy,
+            admission=self.store_after_requests > 1,
         )
         t = self.topology
         # Several ranks compute each token together: one rank's failed load reaches the
@@ -245,16 +255,22 @@ class UMBPScheduler:
         """
         st = self._state(request)
         st.local_tokens = num_computed_tokens
-        # Blocks in vLLM's local cache were computed (and stored) or loaded here before:
-        # they are not stored again (the lookup refreshes them in Redis).
         bs = self.block_size
-        st.known_stored_blocks = max(st.known_stored_blocks, num_computed_tokens // bs)
+        admission = self.store_after_requests > 1
+        if not admission:
+            # Blocks in vLLM's local cache were computed (and stored) or loaded here
+            # before: they are not stored again (the lookup refreshes them in Redis).
+            st.known_stored_blocks = max(st.known_stored_blocks, num_computed_tokens // bs)
         if not self.can_load or self.codec is None or st.load_failed:
             return 0, False
         hit = self.lookups.hit_blocks(st, num_computed_tokens, self.codec)
         if hit is None:
             return None, False
-        st.known_stored_blocks = max(st.known_stored_blocks, hit)
+        if admission:
+            # Local blocks the rule kept out of Redis are stored once admitted.
+            st.known_stored_blocks = max(st.known_stored_blocks, st.redis_prefix_blocks)
+        else:
+            st.known_stored_blocks = max(st.known_stored_blocks, hit)
         tokens = hit * bs - num_computed_tokens
         if tokens <= 0:
             return 0, False

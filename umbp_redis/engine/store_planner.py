@@ -20,7 +20,8 @@ class StorePlanner:
     A block goes out at most once per step across requests; blocks Redis or vLLM's
     local cache already holds are not sent again, except for groups that keep only
     some blocks and lack them. With ``events``, each batch's blocks are announced once
-    stored on every rank.
+    stored on every rank. With ``admission`` only the blocks a lookup admitted
+    (``st.admitted_blocks``) are stored; a request no lookup counted stores none.
     """
 
     def __init__(
@@ -34,6 +35,7 @@ class StorePlanner:
         save_decode: bool,
         events: StoredBlockEvents | None,
         lazy: LazyStorePlanner | None,
+        admission: bool = False,
     ) -> None:
         self.groups = groups
         self.group_plans = group_plans
@@ -43,6 +45,7 @@ class StorePlanner:
         self.save_decode = save_decode
         self.events = events
         self.lazy = lazy
+        self.admission = admission
         # (block hash, group) already in this step's stores.
         self._planned_this_step: set[tuple[bytes, int]] = set()
 
@@ -75,6 +78,8 @@ class StorePlanner:
         )
         first = tr.num_saved_tokens // bs
         last = limit // bs
+        if self.admission:
+            last = min(last, st.admitted_blocks or 0)
         # Blocks loaded from Redis or seen present in a lookup are not sent again.
         skip_below = max(st.known_stored_blocks, tr.num_loaded_tokens // bs)
         hashes, block_ids, group_ids, indices = [], [], [], []

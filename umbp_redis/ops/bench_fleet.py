@@ -190,6 +190,7 @@ def build_configs(
                 blocks,
                 True,
                 tuple(sorted(v.options.items())),
+                v.redis_maxmemory_share,
                 engine_env=tuple(sorted(v.env.items())),
                 transfer_fields=tuple(sorted(v.transfer_fields.items())),
             )
@@ -206,12 +207,15 @@ class Variant:
     options: dict[str, Any]
     env: dict[str, str]
     transfer_fields: dict[str, Any] = field(default_factory=dict)
+    redis_maxmemory_share: float = 0.0
 
 
 def parse_variant(text: str) -> Variant:
     """``NAME[@ROUTER]:key=value,key=value`` to a ``Variant``; values are JSON where they
     parse (numbers, true/false), else strings; ``env.VAR=value`` keys are environment
-    variables of the engines."""
+    variables of the engines, ``ktc.FIELD=value`` fields of the KV transfer config, and
+    ``redis.maxmemory_share=S`` gives Redis a ``maxmemory`` of S times what umbp-redis
+    stored (as small-redis does with 0.5)."""
     head, sep, rest = text.partition(":")
     name, _, router = head.partition("@")
     if not sep or not name:
@@ -221,6 +225,7 @@ def parse_variant(text: str) -> Variant:
     options: dict[str, Any] = {}
     env: dict[str, str] = {}
     fields: dict[str, Any] = {}
+    share = 0.0
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not key:
@@ -228,12 +233,20 @@ def parse_variant(text: str) -> Variant:
         if key.startswith("env."):
             env[key[4:]] = value
             continue
+        if key == "redis.maxmemory_share":
+            try:
+                share = float(value)
+            except ValueError:
+                share = -1.0
+            if not 0 < share <= 1:
+                raise ValueError(f"--variant {name}: redis.maxmemory_share must be in (0, 1]")
+            continue
         target, key = (fields, key[4:]) if key.startswith("ktc.") else (options, key)
         try:
             target[key] = json.loads(value)
         except json.JSONDecodeError:
             target[key] = value
-    return Variant(name, router or None, options, env, fields)
+    return Variant(name, router or None, options, env, fields, share)
 
 
 def ideal_block_count(shape: ConversationShape, engines: int, block_size: int, blocks: int) -> int:

@@ -26,7 +26,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from umbp_redis.store.commands import ClusterLookupEncoder, SlottedBlock, lookup_commands
+from umbp_redis.store.commands import (
+    ClusterLookupEncoder,
+    RequestCountEncoder,
+    SlottedBlock,
+    lookup_commands,
+)
 from umbp_redis.store.connection import RedisConnection
 from umbp_redis.store.errors import RedisDataPlaneError, RedisRedirectError, RedisTimeoutError
 from umbp_redis.store.plane import (
@@ -274,15 +279,26 @@ class ClusterDataPlane:
             prefixes, refresh_ttl=refresh_ttl, ttl=self._ttl, hash_hex_len=hash_hex_len
         )
 
+    def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> RequestCountEncoder:
+        """The encoder of one block's request count, for ``lookup_blocks``."""
+        return RequestCountEncoder(prefix, ttl=self._ttl, hash_hex_len=hash_hex_len, slotted=True)
+
     def lookup_blocks(
-        self, blocks: Sequence[SlottedBlock], count: int, *, timeout: float | None = None
+        self,
+        blocks: Sequence[SlottedBlock],
+        count: int,
+        *,
+        timeout: float | None = None,
+        counted_from: int | None = None,
     ) -> list[int] | None:
-        """Replies (1 per present key) to blocks from ``lookup_encoder``, in order.
+        """Replies (1 per present key) to blocks from ``lookup_encoder``, in order, then
+        from reply ``counted_from`` on those of ``request_count_encoder``'s blocks.
 
         The keys of a master that fails, times out or answers an error read 0 (a miss);
-        None only when no slot map is known yet. Ends within ``timeout`` (default
-        ``lookup_timeout_s``).
+        a request count's error reply reads 0 and fails nothing. None only when no slot
+        map is known yet. Ends within ``timeout`` (default ``lookup_timeout_s``).
         """
+        end = count if counted_from is None else counted_from
         wait = self.settings.lookup_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + wait
         self.stats.add(lookups=1)
@@ -345,16 +361,22 @@ class ClusterDataPlane:
                     self._unexpected_lookup(e)
                 continue
             cm.__exit__(None, None, None)
-            errors = [r for r in got if isinstance(r, ErrorReply)]
+            errors = [
+                r
+                for p, r in zip(positions, got, strict=True)
+                if p < end and isinstance(r, ErrorReply)
+            ]
             if errors:
                 failed = True
                 self.node(addr)._note_refusals(errors, "EXPIRE")
                 self._node_failed(addr, f"lookup ({errors[0].message[:60]})")
             for p, r in zip(positions, got, strict=True):
-                if r == 1:
+                if p >= end:
+                    replies[p] = r if isinstance(r, int) else 0
+                elif r == 1:
                     replies[p] = 1
                     hits += 1
-        self.stats.add(lookup_keys=count, lookup_hits=hits, lookup_errors=int(failed))
+        self.stats.add(lookup_keys=end, lookup_hits=hits, lookup_errors=int(failed))
         return replies
 
     def _lookup_failed(self, addr: Address, e: RedisDataPlaneError) -> None:

@@ -1,7 +1,8 @@
 """The RESP bytes of every command the data planes send, built in one place.
 
 Commands are pre-encoded bytes: lookups per block from templates around the block
-hash's position (``LookupEncoder`` on one server, ``ClusterLookupEncoder`` on a cluster),
+hash's position (``LookupEncoder`` on one server, ``ClusterLookupEncoder`` on a cluster;
+``RequestCountEncoder`` counts a request against a block in the same round trip),
 stores as ``MULTI``/``HSET``/``EXPIRE``/``EXEC`` (``body_heads`` frame the value's body
 fields so their bytes are sent from staging without a copy), loads as ``HMGET``.
 """
@@ -181,3 +182,35 @@ class ClusterLookupEncoder:
             tuple(h + tail for h in self._heads),
             tuple(key_slot(p + hash_hex) for p in self.prefixes),
         )
+
+
+class RequestCountEncoder:
+    """Encodes one block's request count: ``INCR key`` (answers the count after this
+    request) and ``EXPIRE key ttl`` (answers 1), ``key`` being ``prefix`` + hash hex.
+
+    ``slotted``: a ``SlottedBlock`` for a cluster's ``lookup_blocks`` (both commands in
+    the key's slot), else the commands' bytes for one server's.
+    """
+
+    replies = 2
+
+    def __init__(self, prefix: bytes, *, ttl: bytes, hash_hex_len: int, slotted: bool) -> None:
+        self.prefix = prefix
+        self.hash_hex_len = hash_hex_len
+        self.slotted = slotted
+        self._incr = keyed_head(b"INCR", 2, prefix, hash_hex_len)
+        self._expire = keyed_head(b"EXPIRE", 3, prefix, hash_hex_len)
+        self._expire_tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+
+    def encode(self, hash_hex: bytes) -> bytes | SlottedBlock:
+        """The block's two commands, for a hash of the length given at construction."""
+        if len(hash_hex) != self.hash_hex_len:
+            raise ValueError(
+                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
+            )
+        incr = self._incr + hash_hex + b"\r\n"
+        expire = self._expire + hash_hex + self._expire_tail
+        if not self.slotted:
+            return incr + expire
+        slot = key_slot(self.prefix + hash_hex)
+        return SlottedBlock((incr, expire), (slot, slot))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from umbp_redis.store.cluster import ClusterDataPlane, read_slot_map
-from umbp_redis.store.commands import LookupEncoder
+from umbp_redis.store.commands import LookupEncoder, RequestCountEncoder
 from umbp_redis.store.connection import AuthAlarm, RedisConnection
 from umbp_redis.store.errors import ConfigError, RedisAuthError, RedisDataPlaneError
 from umbp_redis.store.plane import (
@@ -48,8 +48,16 @@ class DataPlane(Protocol):
         """An encoder of one block's lookup commands (``.encode(hash_hex)``, ``.replies``)."""
         ...
 
-    def lookup_blocks(self, blocks: Sequence[Any], count: int) -> list[int] | None:
-        """Replies to encoded blocks, in order; None when unknown."""
+    def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> Any:
+        """An encoder of one block's request count (``.encode(hash_hex)``, 2 replies:
+        the count, then 1), whose blocks go to ``lookup_blocks`` after the lookup's."""
+        ...
+
+    def lookup_blocks(
+        self, blocks: Sequence[Any], count: int, *, counted_from: int | None = None
+    ) -> list[int] | None:
+        """Replies to encoded blocks, in order (request counts from reply
+        ``counted_from`` on, errors there reading 0); None when unknown."""
         ...
 
     def store(
@@ -261,14 +269,24 @@ class PendingPlane:
         ttl = str(int(self.settings.ttl_seconds)).encode()
         return LookupEncoder(prefixes, refresh_ttl=refresh_ttl, ttl=ttl, hash_hex_len=hash_hex_len)
 
-    def lookup_blocks(self, blocks: Sequence[Any], count: int) -> list[int] | None:
+    def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> Any:
+        """The inner plane's encoder (a standalone one while pending)."""
+        inner = self._inner
+        if inner is not None:
+            return inner.request_count_encoder(prefix, hash_hex_len=hash_hex_len)
+        ttl = str(int(self.settings.ttl_seconds)).encode()
+        return RequestCountEncoder(prefix, ttl=ttl, hash_hex_len=hash_hex_len, slotted=False)
+
+    def lookup_blocks(
+        self, blocks: Sequence[Any], count: int, *, counted_from: int | None = None
+    ) -> list[int] | None:
         """The inner plane's answer; None while pending or for blocks encoded before."""
         inner = self._inner
         if inner is None or (
             blocks and isinstance(blocks[0], bytes) != (inner.lookup_mode == "standalone")
         ):
             return None
-        return inner.lookup_blocks(blocks, count)
+        return inner.lookup_blocks(blocks, count, counted_from=counted_from)
 
     def store(
         self,

@@ -32,6 +32,7 @@ from umbp_redis.store.commands import (
     EXEC,
     MULTI,
     LookupEncoder,
+    RequestCountEncoder,
     body_heads,
     expire_command,
     hmget_command,
@@ -318,11 +319,18 @@ class RedisDataPlane:
         return present
 
     def lookup_replies(
-        self, buf: bytes, count: int, *, timeout: float | None = None
+        self,
+        buf: bytes,
+        count: int,
+        *,
+        timeout: float | None = None,
+        counted_from: int | None = None,
     ) -> list[int] | None:
         """Send pre-encoded lookup commands (``lookup_commands``) and read their ``count``
         integer replies, all within ``timeout`` (default ``lookup_timeout_s``); None on any
-        error, timeout or error reply (counted; never raises).
+        error, timeout or error reply (counted; never raises). Replies from position
+        ``counted_from`` on are request counts: an error reply there (a full Redis
+        refusing ``INCR``) reads 0 and fails nothing.
         """
         wait = self.settings.lookup_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + wait
@@ -343,13 +351,14 @@ class RedisDataPlane:
             self.stats.add(lookup_errors=1)
             self._unexpected("lookup", e)
             return None
-        errors = [r for r in replies if isinstance(r, ErrorReply)]
+        end = count if counted_from is None else counted_from
+        errors = [r for r in replies[:end] if isinstance(r, ErrorReply)]
         if errors:
             self.stats.add(lookup_errors=1)
             log.debug("lookup got error replies: %s", errors[0])
             self._note_refusals(errors, "EXPIRE")
             return None
-        return [r for r in replies if not isinstance(r, ErrorReply)]
+        return [0 if isinstance(r, ErrorReply) else r for r in replies]
 
     def lookup_encoder(
         self, prefixes: Sequence[bytes], *, refresh_ttl: bool, hash_hex_len: int
@@ -359,10 +368,17 @@ class RedisDataPlane:
             prefixes, refresh_ttl=refresh_ttl, ttl=self._ttl, hash_hex_len=hash_hex_len
         )
 
-    def lookup_blocks(self, blocks: Sequence[bytes], count: int) -> list[int] | None:
-        """Replies to blocks encoded by ``lookup_encoder`` (``count`` in all), in order;
+    def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> RequestCountEncoder:
+        """The encoder of one block's request count, for ``lookup_blocks``."""
+        return RequestCountEncoder(prefix, ttl=self._ttl, hash_hex_len=hash_hex_len, slotted=False)
+
+    def lookup_blocks(
+        self, blocks: Sequence[bytes], count: int, *, counted_from: int | None = None
+    ) -> list[int] | None:
+        """Replies to blocks encoded by ``lookup_encoder`` (``count`` in all), in order,
+        then from reply ``counted_from`` on those of ``request_count_encoder``'s blocks;
         None when unknown (as ``lookup_replies``)."""
-        return self.lookup_replies(b"".join(blocks), count)
+        return self.lookup_replies(b"".join(blocks), count, counted_from=counted_from)
 
     # -- shared round trips ------------------------------------------------------------
 
