@@ -71,7 +71,7 @@ class ScriptedDataPlane:
         )
 
     def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> RequestCountEncoder:
-        return RequestCountEncoder(prefix, ttl=b"86400", hash_hex_len=hash_hex_len, slotted=False)
+        return RequestCountEncoder(prefix, ttl=b"86400", hash_hex_len=hash_hex_len)
 
     def lookup_blocks(
         self, blocks: list[bytes], count: int, *, counted_from: int | None = None

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from umbp_redis.store.commands import (
     ClusterLookupEncoder,
-    RequestCountEncoder,
+    ClusterRequestCountEncoder,
     SlottedBlock,
     lookup_commands,
 )
@@ -279,9 +279,11 @@ class ClusterDataPlane:
             prefixes, refresh_ttl=refresh_ttl, ttl=self._ttl, hash_hex_len=hash_hex_len
         )
 
-    def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> RequestCountEncoder:
+    def request_count_encoder(
+        self, prefix: bytes, *, hash_hex_len: int
+    ) -> ClusterRequestCountEncoder:
         """The encoder of one block's request count, for ``lookup_blocks``."""
-        return RequestCountEncoder(prefix, ttl=self._ttl, hash_hex_len=hash_hex_len, slotted=True)
+        return ClusterRequestCountEncoder(prefix, ttl=self._ttl, hash_hex_len=hash_hex_len)
 
     def lookup_blocks(
         self,

@@ -185,32 +185,42 @@ class ClusterLookupEncoder:
 
 
 class RequestCountEncoder:
-    """Encodes one block's request count: ``INCR key`` (answers the count after this
-    request) and ``EXPIRE key ttl`` (answers 1), ``key`` being ``prefix`` + hash hex.
-
-    ``slotted``: a ``SlottedBlock`` for a cluster's ``lookup_blocks`` (both commands in
-    the key's slot), else the commands' bytes for one server's.
-    """
+    """Encodes one block's request count for one server's ``lookup_blocks``: ``INCR
+    key`` (answers the count after this request) and ``EXPIRE key ttl`` (answers 1),
+    ``key`` being ``prefix`` + the block hash's hex."""
 
     replies = 2
 
-    def __init__(self, prefix: bytes, *, ttl: bytes, hash_hex_len: int, slotted: bool) -> None:
+    def __init__(self, prefix: bytes, *, ttl: bytes, hash_hex_len: int) -> None:
         self.prefix = prefix
         self.hash_hex_len = hash_hex_len
-        self.slotted = slotted
         self._incr = keyed_head(b"INCR", 2, prefix, hash_hex_len)
         self._expire = keyed_head(b"EXPIRE", 3, prefix, hash_hex_len)
         self._expire_tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
 
-    def encode(self, hash_hex: bytes) -> bytes | SlottedBlock:
+    def commands(self, hash_hex: bytes) -> tuple[bytes, bytes]:
         """The block's two commands, for a hash of the length given at construction."""
         if len(hash_hex) != self.hash_hex_len:
             raise ValueError(
                 f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
             )
-        incr = self._incr + hash_hex + b"\r\n"
-        expire = self._expire + hash_hex + self._expire_tail
-        if not self.slotted:
-            return incr + expire
-        slot = key_slot(self.prefix + hash_hex)
-        return SlottedBlock((incr, expire), (slot, slot))
+        return self._incr + hash_hex + b"\r\n", self._expire + hash_hex + self._expire_tail
+
+    def encode(self, hash_hex: bytes) -> bytes:
+        """The block's two commands in one buffer."""
+        return b"".join(self.commands(hash_hex))
+
+
+class ClusterRequestCountEncoder:
+    """``RequestCountEncoder``'s commands for a cluster's ``lookup_blocks``: both in
+    the counter key's slot."""
+
+    replies = 2
+
+    def __init__(self, prefix: bytes, *, ttl: bytes, hash_hex_len: int) -> None:
+        self._commands = RequestCountEncoder(prefix, ttl=ttl, hash_hex_len=hash_hex_len)
+
+    def encode(self, hash_hex: bytes) -> SlottedBlock:
+        """The block's two commands and their slot."""
+        slot = key_slot(self._commands.prefix + hash_hex)
+        return SlottedBlock(self._commands.commands(hash_hex), (slot, slot))

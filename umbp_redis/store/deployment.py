@@ -275,7 +275,7 @@ class PendingPlane:
         if inner is not None:
             return inner.request_count_encoder(prefix, hash_hex_len=hash_hex_len)
         ttl = str(int(self.settings.ttl_seconds)).encode()
-        return RequestCountEncoder(prefix, ttl=ttl, hash_hex_len=hash_hex_len, slotted=False)
+        return RequestCountEncoder(prefix, ttl=ttl, hash_hex_len=hash_hex_len)
 
     def lookup_blocks(
         self, blocks: Sequence[Any], count: int, *, counted_from: int | None = None

@@ -370,7 +370,7 @@ class RedisDataPlane:
 
     def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> RequestCountEncoder:
         """The encoder of one block's request count, for ``lookup_blocks``."""
-        return RequestCountEncoder(prefix, ttl=self._ttl, hash_hex_len=hash_hex_len, slotted=False)
+        return RequestCountEncoder(prefix, ttl=self._ttl, hash_hex_len=hash_hex_len)
 
     def lookup_blocks(
         self, blocks: Sequence[bytes], count: int, *, counted_from: int | None = None
