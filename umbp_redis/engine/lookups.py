@@ -11,6 +11,7 @@ also counts it against every block of its prompt, in the same round trip.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -153,26 +154,23 @@ class PrefixLookup:
             st.group_replies = []
         cmds = st.lookup_cmds
         n_groups = len(self.groups)
-        for i in range(len(cmds) // n_groups, upto):
-            h = self.hashing.hash_of(st.request, i)
-            if h is None:
-                break
-            hx = h.hex().encode()
-            enc = self._encoders.get(len(hx))
-            if enc is None or enc[0] is not codec or enc[1] != mode:
-                encoders = [
-                    self.plane.lookup_encoder(
-                        [p.encode() for p in codec.key_prefixes(g)],
-                        refresh_ttl=self.refresh_ttl,
-                        hash_hex_len=len(hx),
-                    )
-                    for g in self.groups
-                ]
-                enc = self._encoders[len(hx)] = (codec, mode, encoders)
-            cmds.extend(e.encode(hx) for e in enc[2])
+
+        def make(hex_len: int) -> list[Any]:
+            return [
+                self.plane.lookup_encoder(
+                    [p.encode() for p in codec.key_prefixes(g)],
+                    refresh_ttl=self.refresh_ttl,
+                    hash_hex_len=hex_len,
+                )
+                for g in self.groups
+            ]
+
+        for hx in self._hashes_hex(st, len(cmds) // n_groups, upto):
+            encoders = self._cached(self._encoders, codec, len(hx), make)
+            cmds.extend(e.encode(hx) for e in encoders)
             if not st.group_replies:
                 first = 0
-                for g, e in zip(self.groups, enc[2], strict=True):
+                for g, e in zip(self.groups, encoders, strict=True):
                     st.group_replies.append((first, e.replies, len(codec.key_prefixes(g))))
                     first += e.replies
                 st.replies_per_block = first
@@ -182,21 +180,38 @@ class PrefixLookup:
         self, st: RequestState, codec: BlockIdentityCodec, n_blocks: int
     ) -> list[Any]:
         """Encoded request counts of blocks [0, n_blocks) of ``st``'s request."""
-        mode = self.plane.lookup_mode
-        out = []
-        for i in range(n_blocks):
+        prefix = codec.request_count_prefix.encode()
+
+        def make(hex_len: int) -> Any:
+            return self.plane.request_count_encoder(prefix, hash_hex_len=hex_len)
+
+        return [
+            self._cached(self._count_encoders, codec, len(hx), make).encode(hx)
+            for hx in self._hashes_hex(st, 0, n_blocks)
+        ]
+
+    def _hashes_hex(self, st: RequestState, start: int, end: int) -> Iterator[bytes]:
+        """The hex of blocks [start, end)'s hashes, up to the first block not hashed yet."""
+        for i in range(start, end):
             h = self.hashing.hash_of(st.request, i)
             if h is None:
-                break
-            hx = h.hex().encode()
-            enc = self._count_encoders.get(len(hx))
-            if enc is None or enc[0] is not codec or enc[1] != mode:
-                encoder = self.plane.request_count_encoder(
-                    codec.request_count_prefix.encode(), hash_hex_len=len(hx)
-                )
-                enc = self._count_encoders[len(hx)] = (codec, mode, encoder)
-            out.append(enc[2].encode(hx))
-        return out
+                return
+            yield h.hex().encode()
+
+    def _cached(
+        self,
+        cache: dict[int, tuple[BlockIdentityCodec, str, Any]],
+        codec: BlockIdentityCodec,
+        hex_len: int,
+        make: Callable[[int], Any],
+    ) -> Any:
+        """What ``make(hex_len)`` builds for hashes of ``hex_len`` hex digits, kept in
+        ``cache`` until the codec or the plane's lookup mode changes."""
+        mode = self.plane.lookup_mode
+        entry = cache.get(hex_len)
+        if entry is None or entry[0] is not codec or entry[1] != mode:
+            entry = cache[hex_len] = (codec, mode, make(hex_len))
+        return entry[2]
 
     def _timed(self, cmds: list[Any], count: int, counted_blocks: int = 0) -> list[int] | None:
         """The data plane's lookup of ``cmds`` (``count`` lookup replies, then two per
