@@ -120,6 +120,25 @@ def docker_answers() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
 
 
+class HostFirewall:
+    """The host's iptables rules and bridge-filtering switch as they were before a
+    dockerd started here, put back after it stops: dockerd leaves its chains and a
+    FORWARD policy of DROP behind, which would cut off bridged traffic of other tools."""
+
+    SWITCH = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+
+    def __init__(self) -> None:
+        saved = subprocess.run(["iptables-save"], capture_output=True, text=True)
+        self.rules = saved.stdout if saved.returncode == 0 else None
+        self.switch = self.SWITCH.read_text().strip() if self.SWITCH.exists() else "0"
+
+    def restore(self) -> None:
+        if self.rules is not None:
+            subprocess.run(["iptables-restore"], input=self.rules, text=True, check=False)
+        if self.SWITCH.exists():
+            self.SWITCH.write_text(self.switch + "\n")
+
+
 def start_daemon() -> subprocess.Popen[bytes] | None:
     """A dockerd with the vfs storage driver if none answers; None if one did."""
     if docker_answers():
@@ -381,6 +400,7 @@ def main() -> int:
     env: dict[str, str] = {}
     try:
         with step("Docker daemon"):
+            firewall = HostFirewall()
             daemon = start_daemon()
             say("started dockerd (vfs)" if daemon else "a daemon was already running")
         base = args.base_image or BASE_IMAGE
@@ -478,7 +498,8 @@ def main() -> int:
             left = project_leftovers()
             daemon.terminate()
             daemon.wait(30)
-            say("stopped the dockerd started here")
+            firewall.restore()
+            say("stopped the dockerd started here and put the host's iptables rules back")
         else:
             left = project_leftovers() if docker_answers() else []
     if left:

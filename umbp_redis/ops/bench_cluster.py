@@ -39,6 +39,21 @@ class NetworkSetupError(RuntimeError):
     """The namespaces, veth pairs or ``tc`` limits could not be made (not root?)."""
 
 
+def _allow_bridged_traffic(bridge: str, stack: ExitStack) -> None:
+    """Let the nodes reach each other across ``bridge`` where bridged frames pass
+    iptables (``br_netfilter``) and the FORWARD chain drops by default, as a Docker host
+    leaves it: one ACCEPT rule for this bridge alone, removed on exit."""
+    try:
+        with open("/proc/sys/net/bridge/bridge-nf-call-iptables") as f:
+            if f.read().strip() != "1":
+                return
+    except OSError:
+        return  # no br_netfilter: bridged frames never meet iptables
+    rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+    if subprocess.run(["iptables", "-I", *rule], capture_output=True).returncode == 0:
+        stack.callback(lambda: subprocess.run(["iptables", "-D", *rule], capture_output=True))
+
+
 def _ip(*args: str) -> None:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -207,6 +222,7 @@ def run_cluster_bench(
         stack.callback(lambda: subprocess.run(["ip", "link", "del", bridge], capture_output=True))
         _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
+        _allow_bridged_traffic(bridge, stack)
         single_args = ["--maxmemory-policy", "allkeys-lru"]
         cluster_args = cluster_node_args(2000, False)
         nodes = []
