@@ -166,7 +166,7 @@ class PrefixLookup:
             ]
 
         for hx in self._hashes_hex(st, len(cmds) // n_groups, upto):
-            encoders = self._cached(self._encoders, codec, len(hx), make)
+            encoders = self._cached(self._encoders, codec, mode, len(hx), make)
             cmds.extend(e.encode(hx) for e in encoders)
             if not st.group_replies:
                 first = 0
@@ -181,12 +181,13 @@ class PrefixLookup:
     ) -> list[Any]:
         """Encoded request counts of blocks [0, n_blocks) of ``st``'s request."""
         prefix = codec.request_count_prefix.encode()
+        mode = self.plane.lookup_mode
 
         def make(hex_len: int) -> Any:
             return self.plane.request_count_encoder(prefix, hash_hex_len=hex_len)
 
         return [
-            self._cached(self._count_encoders, codec, len(hx), make).encode(hx)
+            self._cached(self._count_encoders, codec, mode, len(hx), make).encode(hx)
             for hx in self._hashes_hex(st, 0, n_blocks)
         ]
 
@@ -198,16 +199,16 @@ class PrefixLookup:
                 return
             yield h.hex().encode()
 
+    @staticmethod
     def _cached(
-        self,
         cache: dict[int, tuple[BlockIdentityCodec, str, Any]],
         codec: BlockIdentityCodec,
+        mode: str,
         hex_len: int,
         make: Callable[[int], Any],
     ) -> Any:
         """What ``make(hex_len)`` builds for hashes of ``hex_len`` hex digits, kept in
-        ``cache`` until the codec or the plane's lookup mode changes."""
-        mode = self.plane.lookup_mode
+        ``cache`` until the codec or the plane's lookup ``mode`` changes."""
         entry = cache.get(hex_len)
         if entry is None or entry[0] is not codec or entry[1] != mode:
             entry = cache[hex_len] = (codec, mode, make(hex_len))

@@ -30,9 +30,20 @@ def keyed_head(command: bytes, nargs: int, key_prefix: bytes, hash_len: int) -> 
     )
 
 
+def ttl_tail(ttl: bytes) -> bytes:
+    """What follows an ``EXPIRE`` command's key: the TTL argument and the command's end."""
+    return b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+
+
+def check_hash_hex(hash_hex: bytes, expected_len: int) -> None:
+    """Raise ``ValueError`` unless ``hash_hex`` has the length an encoder was built for."""
+    if len(hash_hex) != expected_len:
+        raise ValueError(f"block hash hex of {len(hash_hex)} chars, expected {expected_len}")
+
+
 def expire_command(k: bytes, ttl: bytes) -> bytes:
     """``EXPIRE k ttl``."""
-    return keyed_head(b"EXPIRE", 3, k, 0) + b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+    return keyed_head(b"EXPIRE", 3, k, 0) + ttl_tail(ttl)
 
 
 def touch_command(keys: Sequence[bytes]) -> bytes:
@@ -60,7 +71,7 @@ class LookupEncoder:
         n = hash_hex_len
         pieces: list[bytes] = []
         if refresh_ttl:
-            tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+            tail = ttl_tail(ttl)
             for i, p in enumerate(prefixes):
                 head = keyed_head(b"EXPIRE", 3, p, n)
                 pieces.append(head if i == 0 else tail + head)
@@ -76,10 +87,7 @@ class LookupEncoder:
     def encode(self, hash_hex: bytes) -> bytes:
         """The block's commands (``lookup_commands`` of its keys), for a hash of the
         length given at construction."""
-        if len(hash_hex) != self.hash_hex_len:
-            raise ValueError(
-                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
-            )
+        check_hash_hex(hash_hex, self.hash_hex_len)
         return hash_hex.join(self._pieces)
 
 
@@ -164,7 +172,7 @@ class ClusterLookupEncoder:
         self.hash_hex_len = hash_hex_len
         n = hash_hex_len
         if refresh_ttl:
-            tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+            tail = ttl_tail(ttl)
             self._heads = tuple(keyed_head(b"EXPIRE", 3, p, n) for p in self.prefixes)
         else:
             tail = b"\r\n"
@@ -173,10 +181,7 @@ class ClusterLookupEncoder:
 
     def encode(self, hash_hex: bytes) -> SlottedBlock:
         """The block's commands and slots, for a hash of the length given at construction."""
-        if len(hash_hex) != self.hash_hex_len:
-            raise ValueError(
-                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
-            )
+        check_hash_hex(hash_hex, self.hash_hex_len)
         tail = hash_hex + self._tail
         return SlottedBlock(
             tuple(h + tail for h in self._heads),
@@ -196,14 +201,11 @@ class RequestCountEncoder:
         self.hash_hex_len = hash_hex_len
         self._incr = keyed_head(b"INCR", 2, prefix, hash_hex_len)
         self._expire = keyed_head(b"EXPIRE", 3, prefix, hash_hex_len)
-        self._expire_tail = b"\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+        self._expire_tail = ttl_tail(ttl)
 
     def commands(self, hash_hex: bytes) -> tuple[bytes, bytes]:
         """The block's two commands, for a hash of the length given at construction."""
-        if len(hash_hex) != self.hash_hex_len:
-            raise ValueError(
-                f"block hash hex of {len(hash_hex)} chars, expected {self.hash_hex_len}"
-            )
+        check_hash_hex(hash_hex, self.hash_hex_len)
         return self._incr + hash_hex + b"\r\n", self._expire + hash_hex + self._expire_tail
 
     def encode(self, hash_hex: bytes) -> bytes:

@@ -257,6 +257,10 @@ class PendingPlane:
         with self._lock:
             self._asking = False
 
+    def _ttl(self) -> bytes:
+        """The TTL argument of the encoders made while pending."""
+        return str(int(self.settings.ttl_seconds)).encode()
+
     def lookup_encoder(
         self, prefixes: Sequence[bytes], *, refresh_ttl: bool, hash_hex_len: int
     ) -> Any:
@@ -266,16 +270,16 @@ class PendingPlane:
             return inner.lookup_encoder(
                 prefixes, refresh_ttl=refresh_ttl, hash_hex_len=hash_hex_len
             )
-        ttl = str(int(self.settings.ttl_seconds)).encode()
-        return LookupEncoder(prefixes, refresh_ttl=refresh_ttl, ttl=ttl, hash_hex_len=hash_hex_len)
+        return LookupEncoder(
+            prefixes, refresh_ttl=refresh_ttl, ttl=self._ttl(), hash_hex_len=hash_hex_len
+        )
 
     def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> Any:
         """The inner plane's encoder (a standalone one while pending)."""
         inner = self._inner
         if inner is not None:
             return inner.request_count_encoder(prefix, hash_hex_len=hash_hex_len)
-        ttl = str(int(self.settings.ttl_seconds)).encode()
-        return RequestCountEncoder(prefix, ttl=ttl, hash_hex_len=hash_hex_len)
+        return RequestCountEncoder(prefix, ttl=self._ttl(), hash_hex_len=hash_hex_len)
 
     def lookup_blocks(
         self, blocks: Sequence[Any], count: int, *, counted_from: int | None = None
