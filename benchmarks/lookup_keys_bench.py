@@ -1,21 +1,20 @@
 """Scheduler lookup of a 128k-token prompt: key building plus the Redis round trip.
 
-8,000 blocks (block size 16), every block present in a private redis-server, at TP=1
-and TP=8 (8 rank keys a block). In one run, for each:
+8,000 blocks (block size 16), every block present in a private redis-server (every
+rank's value and the block's stored marker), at TP=1 and TP=8. In one run, for each:
 
-- ``before``: the lookup as the scheduler did it until this change: every call builds
-  every rank key with ``BlockIdentityCodec.key`` (validated, one rank label each), then
-  one ``EXPIRE`` per key;
-- ``first``: ``UMBPScheduler.get_num_new_matched_tokens`` on a new request (its keys and
-  encoded commands built once, from precomputed rank prefixes);
+- ``rank keys (v1 floor)``: what key schema v1 asked of Redis, every rank's value key
+  of every block (8 keys a block at TP=8), written by a bare socket: Redis' own time
+  for them, the least a per-rank lookup could cost;
+- ``first``: ``UMBPScheduler.get_num_new_matched_tokens`` on a new request (one stored
+  marker a block; keys and encoded commands built once per block), with the marker
+  writer's value refreshes running beside it as in an engine;
 - ``again``: the same request asked again (vLLM asks each step while it waits);
-- ``floor``: the same encoded commands written by a bare socket and their replies read
-  (Redis' own time for the keys, no client work).
+- ``floor``: the marker commands written by a bare socket and their replies read.
 
-Also with ``refresh_ttl_on_lookup: false`` (one multi-key ``TOUCH`` a block). Prints
-p50 ms and ratios. Usage: .venv/bin/python benchmarks/lookup_keys_bench.py
+Also with ``refresh_ttl_on_lookup: false`` (``TOUCH``). Prints p50 ms, ratios against
+the floor and TP=8 against TP=1. Usage: .venv/bin/python benchmarks/lookup_keys_bench.py
 """
-
 from __future__ import annotations
 
 import socket
@@ -40,7 +39,7 @@ from umbp_redis.engine.options import parse_connector_options  # noqa: E402
 from umbp_redis.engine.scheduler import UMBPScheduler  # noqa: E402
 from umbp_redis.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from umbp_redis.ops.tiny_model import build_tiny_llama  # noqa: E402
-from umbp_redis.store.commands import expire_command  # noqa: E402
+from umbp_redis.store.commands import lookup_commands  # noqa: E402
 from umbp_redis.store.plane import RedisDataPlane  # noqa: E402
 from umbp_redis.store.settings import RedisSettings  # noqa: E402
 
@@ -65,33 +64,6 @@ def p50_ms(fn: Callable[[], Any], runs: int) -> float:
     return statistics.median(samples) * 1e3
 
 
-def old_lookup(s: UMBPScheduler, plane: RedisDataPlane, hashes: list[bytes]) -> int:
-    """The scheduler's lookup before keys were cached (key building + EXPIRE each)."""
-    codec = s.codec
-    assert codec is not None
-    keys: list[str] = []
-    per_block = 0
-    for h in hashes:
-        block_keys = [
-            k
-            for g in s.groups
-            for k in dict.fromkeys(codec.key(h, g, r) for r in codec.topology.rank_namespaces())
-        ]
-        per_block = len(block_keys)
-        keys.extend(block_keys)
-    ttl = plane.ttl_arg
-    buf = b"".join(expire_command(k.encode(), ttl) for k in keys)
-    replies = plane.lookup_replies(buf, len(keys), timeout=30.0)
-    assert replies is not None
-    hits = 0
-    for b in range(len(hashes)):
-        if all(replies[b * per_block : (b + 1) * per_block]):
-            hits += 1
-        else:
-            break
-    return hits
-
-
 def floor_ms(port: int, buf: bytes, replies: int, runs: int) -> float:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -107,10 +79,18 @@ def floor_ms(port: int, buf: bytes, replies: int, runs: int) -> float:
     return out
 
 
+def rank_keys_buffer(s: UMBPScheduler, hashes: list[bytes], ttl: bytes, refresh: bool) -> bytes:
+    """Key schema v1's lookup: every rank's value key of every block (EXPIRE each, or
+    one TOUCH of a block's keys)."""
+    assert s.codec is not None
+    blocks = [[k.encode() for k in s.codec.rank_keys(h, 0)] for h in hashes]
+    return b"".join(lookup_commands(keys, refresh_ttl=refresh, ttl=ttl)[0] for keys in blocks)
+
+
 def measure(
     srv: EmbeddedRedis, mc: ModelConfig, kv: Any, hashes: list[bytes], tp: int, refresh: bool
 ) -> tuple[float, float, float, float]:
-    """(before, first, again, floor) p50 ms for one TP size and lookup mode."""
+    """(rank-key floor, first, again, floor) p50 ms for one TP size and lookup mode."""
     extra = {"key_namespace": "bench", "refresh_ttl_on_lookup": refresh, "lookup_timeout_s": 30.0}
     cfg = make_vllm_config(mc, extra=extra)
     # Set after validation: the tiny model's 2 heads do not divide by 8, and only the
@@ -121,9 +101,10 @@ def measure(
     assert s.codec is not None
     r = redis.Redis(port=srv.port)
     pipe = r.pipeline(transaction=False)
-    for h in hashes:
+    for h in hashes:  # every rank's value and the block's stored marker
         for k in s.codec.rank_keys(h, 0):
             pipe.set(k, b"x")
+        pipe.set(s.codec.marker_prefix(0) + h.hex(), b"1")
     pipe.execute()
     n_tok = BLOCKS * BS + 1
     count = iter(range(10**9))
@@ -138,20 +119,18 @@ def measure(
     def again() -> None:
         assert s.get_num_new_matched_tokens(held, 0)[0] == BLOCKS * BS  # type: ignore[arg-type]
 
-    def before() -> None:
-        assert old_lookup(s, plane, hashes) == BLOCKS
-
     runs = 11
-    t_before = p50_ms(before, runs) if refresh else float("nan")
     t_first, t_again = p50_ms(first, runs), p50_ms(again, runs)
+    assert s.markers.flush(30) and s.markers.stale == 0  # values refreshed, none gone
     buf = b"".join(s.requests["held"].lookup_cmds)
-    n_replies = BLOCKS * (s._keys_per_block if refresh else 1)
-    t_floor = floor_ms(srv.port, buf, n_replies, runs)
+    t_floor = floor_ms(srv.port, buf, BLOCKS, runs)
+    per_rank = rank_keys_buffer(s, hashes, plane.ttl_arg, refresh)
+    t_ranks = floor_ms(srv.port, per_rank, BLOCKS * (tp if refresh else 1), runs)
     s.shutdown()
     plane.close()
     r.flushall()
     r.close()
-    return t_before, t_first, t_again, t_floor
+    return t_ranks, t_first, t_again, t_floor
 
 
 def main() -> None:
@@ -167,15 +146,19 @@ def main() -> None:
         ]
     print(f"lookup of {BLOCKS} blocks (block size {BS}), every block present; p50 ms")
     print(
-        "TP | TTL refresh | before | first (keys built) | again (cached) | Redis floor | "
-        "before/first | again/floor"
+        "TP | TTL refresh | rank keys (v1 floor) | first (keys built) | again (cached) | "
+        "Redis floor | again/floor"
     )
-    for tp, refresh, tb, tf, ta, tfl in rows:
-        ratio = f"{tb / tf:6.1f}x" if refresh else "     -"
+    for tp, refresh, tr, tf, ta, tfl in rows:
         print(
-            f"{tp:2} | {'EXPIRE' if refresh else 'TOUCH ':>11} | {tb:6.1f} | {tf:18.1f} | "
-            f"{ta:14.1f} | {tfl:11.1f} | {ratio} | {ta / tfl:5.2f}x"
+            f"{tp:2} | {'EXPIRE' if refresh else 'TOUCH ':>11} | {tr:20.1f} | {tf:18.1f} | "
+            f"{ta:14.1f} | {tfl:11.1f} | {ta / tfl:5.2f}x"
         )
+    by = {(tp, refresh): (tf, ta) for tp, refresh, _, tf, ta, _ in rows}
+    for refresh in (True, False):
+        (f1, a1), (f8, a8) = by[(1, refresh)], by[(8, refresh)]
+        mode = "EXPIRE" if refresh else "TOUCH"
+        print(f"{mode}: TP=8 / TP=1: first {f8 / f1:.2f}x, again {a8 / a1:.2f}x")
 
 
 if __name__ == "__main__":

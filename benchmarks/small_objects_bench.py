@@ -142,7 +142,7 @@ def main() -> None:
         }
         staging = np.random.default_rng(2).integers(0, 256, (count, size), dtype=np.uint8)
         dest = np.zeros_like(staging)
-        keys = [f"umbp:vllm:v1:small:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(count)]
+        keys = [f"umbp:vllm:v2:small:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(count)]
         stores = list(zip(keys, staging, strict=True))
         loads = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
         admin = redis.Redis.from_url(srv.url)

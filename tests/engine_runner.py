@@ -134,7 +134,7 @@ def main(spec_path: str) -> None:
             llm.reset_prefix_cache()
         elif op in ("corrupt", "delete"):
             r = redis.Redis.from_url(phase["url"])
-            keys = list(r.scan_iter(match="umbp:vllm:v1:*", count=1000))
+            keys = list(r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000))
             for k in keys:
                 if op == "delete":
                     r.delete(k)
@@ -173,7 +173,7 @@ def main(spec_path: str) -> None:
             results[phase["name"]] = _leak_check(llm)
         elif op == "swap":  # each value moves to the next key: well formed, wrong block
             r = redis.Redis.from_url(phase["url"])
-            keys = sorted(r.scan_iter(match="umbp:vllm:v1:*", count=1000))
+            keys = sorted(r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000))
             dumps = [raw(r.dump(k)) for k in keys]
             for k, d in zip(keys, dumps[1:] + dumps[:1], strict=True):
                 r.restore(k, 0, d, replace=True)
@@ -184,7 +184,7 @@ def main(spec_path: str) -> None:
             from umbp_redis.store.value_format import HEADER
 
             r = redis.Redis.from_url(phase["url"])
-            keys = list(r.scan_iter(match="umbp:vllm:v1:*", count=1000))
+            keys = list(r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000))
             for k in keys:
                 h = bytearray(raw(r.hget(k, "h") or b""))
                 fields = list(HEADER.unpack_from(h))
@@ -196,7 +196,7 @@ def main(spec_path: str) -> None:
             from umbp_redis.ops.admin import inspect_value
 
             r = redis.Redis.from_url(phase["url"])
-            keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v1:*", count=1000)]
+            keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000)]
             infos = [inspect_value(r, k) for k in keys]
             results[phase["name"]] = {
                 "keys": len(keys),
@@ -238,7 +238,7 @@ def main(spec_path: str) -> None:
             results[phase["name"]] = events
         elif op == "wrongtype":  # one stored key now holds a string: loads get WRONGTYPE
             r = redis.Redis.from_url(phase["url"])
-            key = sorted(r.scan_iter(match="umbp:vllm:v1:*", count=1000))[0]
+            key = sorted(r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000))[0]
             r.set(key, b"not a KV object")
             results[phase["name"]] = key.decode()
         elif op == "load_totals":  # the worker's load counters since the engine started
@@ -256,12 +256,13 @@ def main(spec_path: str) -> None:
             time.sleep(phase["seconds"])
         elif op == "node_keys":  # stored keys per node (ports on 127.0.0.1)
             results[phase["name"]] = [
-                len(list(redis.Redis(port=p).scan_iter(match="umbp:vllm:v1:*", count=1000)))
+                len(list(redis.Redis(port=p).scan_iter(match="umbp:vllm:v2:*:tp*", count=1000)))
                 for p in phase["ports"]
             ]
         elif op == "count_keys":
             r = redis.Redis.from_url(phase["url"])
-            results[phase["name"]] = len(list(r.scan_iter(match="umbp:vllm:v1:*", count=1000)))
+            pattern = phase.get("pattern", "umbp:vllm:v2:*:tp*")
+            results[phase["name"]] = len(list(r.scan_iter(match=pattern, count=1000)))
     json.dump(results, open(spec["out"], "w"))
     del llm
     for s in servers:

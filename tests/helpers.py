@@ -63,7 +63,7 @@ def fill(
     parts: tuple[int, ...] | None = None,
 ) -> list[str]:
     plane = open_plane(RedisSettings.from_url(url, checksum=checksum))
-    keys = [f"umbp:vllm:v1:{ns}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(n)]
+    keys = [f"umbp:vllm:v2:{ns}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(n)]
     data = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
     stored = plane.store(list(zip(keys, data, strict=True)), FP, parts=parts)
     assert set(stored) == {StoreStatus.STORED}
@@ -175,3 +175,38 @@ def wait_until_server_is_asleep(url: str, timeout_s: float = 5.0) -> None:
         finally:
             probe.close()
     raise AssertionError(f"the server at {url} kept answering for {timeout_s} s")
+
+
+def check_stored_markers(plane: Any, client: Any, ttl: int = 100) -> None:
+    """The stored-marker job against a real data plane (``client``: a redis-py client of
+    the same server or cluster): markers written once both ranks reported, not for a
+    block whose rank key failed, with the TTL; a found prefix's values refreshed to the
+    TTL; a block whose rank value is gone loses its marker."""
+    from umbp_redis.data import BlockIdentityCodec, RankTopology
+    from umbp_redis.engine.block_markers import StoredMarkers
+
+    codec = BlockIdentityCodec("markers", RankTopology(tp_size=2))
+    markers = StoredMarkers(plane, 2, ttl_s=ttl, refresh_ttl=True, timeout_s=5.0)
+    hashes = [bytes([i]) * 32 for i in range(40)]
+
+    def marker(i: int) -> str:
+        return codec.marker_prefix(0) + hashes[i].hex()
+
+    for h in hashes:  # every rank's value (plain strings: markers never read values)
+        for k in codec.rank_keys(h, 0):
+            client.set(k, b"v", ex=5)
+    markers.track(1, hashes, [0] * len(hashes))
+    markers.note_store_report(codec, 1, 1, frozenset())
+    assert markers.flush(10) and not client.exists(marker(0))  # one rank of two reported
+    markers.note_store_report(codec, 1, 1, frozenset({codec.rank_keys(hashes[3], 0)[1]}))
+    assert markers.flush(10)
+    assert [client.exists(marker(i)) for i in range(40)] == [int(i != 3) for i in range(40)]
+    assert ttl - 10 < client.ttl(marker(0)) <= ttl
+    client.delete(codec.rank_keys(hashes[5], 0)[0])  # evicted, say
+    markers.note_found(codec, 10, lambda b: hashes[b], [0], lambda b, pos: b != 3)
+    assert markers.flush(10)
+    assert client.ttl(codec.rank_keys(hashes[0], 0)[1]) > ttl - 10  # refreshed from 5 s
+    assert client.ttl(codec.rank_keys(hashes[20], 0)[1]) <= 5  # not found: not refreshed
+    assert not client.exists(marker(5)) and client.exists(marker(6))
+    assert (markers.written, markers.stale, markers.failed) == (39, 1, 0)
+    markers.close()

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import redis
 from fake_servers import FakeServer
-from helpers import documented_acl, wait_until_server_is_asleep
+from helpers import check_stored_markers, documented_acl, wait_until_server_is_asleep
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
+from umbp_redis.store import resp
 from umbp_redis.store.deployment import open_plane
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
 from umbp_redis.store.settings import RedisSettings
@@ -29,7 +30,7 @@ MARGIN = 0.2
 
 
 def keys_for(n: int, tag: str = "b") -> list[str]:
-    return [f"umbp:vllm:v1:bl:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
+    return [f"umbp:vllm:v2:bl:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
 
 
 def make_plane(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
@@ -235,6 +236,11 @@ def test_the_documented_minimal_acl_is_enough(
         assert plane.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
         assert np.array_equal(dst, payload)
         assert plane.delete([k]) == 1
+        counter = b"umbp:vllm:v2:acl:asked:" + b"0" * 64
+        assert plane.run_keyed([(counter, resp.encode_command(b"INCR", counter))], timeout=2) == [1]
+        admin = redis.Redis(host="127.0.0.1", port=own_redis.port, db=1)
+        check_stored_markers(plane, admin)  # SET, EXPIRE, UNLINK of markers and values
+        admin.flushdb()
         assert plane.counters()["auth_failures"] == 0
         plane.close()
     # Outside umbp:* the user can do nothing.

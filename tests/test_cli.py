@@ -54,7 +54,7 @@ def test_inspect_valid_and_invalid(redis_url: str) -> None:
     bad = cli("inspect", keys[1], "--redis-url", redis_url, "--json")
     assert bad.returncode == 1 and json.loads(bad.stdout)["valid"] is False
     assert "magic" in json.loads(bad.stdout)["error"]
-    missing = cli("inspect", "umbp:vllm:v1:x:tp0:pcp0:dcp0:pp0:g0:00", "--redis-url", redis_url)
+    missing = cli("inspect", "umbp:vllm:v2:x:tp0:pcp0:dcp0:pp0:g0:00", "--redis-url", redis_url)
     assert missing.returncode == 1
 
 
@@ -95,12 +95,36 @@ def test_purge_leaves_other_namespaces(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     r.set("unrelated", b"x")
     refused = cli("purge", "--namespace", "gone", "--redis-url", redis_url, input_text="")
-    assert refused.returncode != 0 and r.exists(f"umbp:vllm:v1:gone:tp0:pcp0:dcp0:pp0:g0:{0:064x}")
+    assert refused.returncode != 0 and r.exists(f"umbp:vllm:v2:gone:tp0:pcp0:dcp0:pp0:g0:{0:064x}")
     out = cli("purge", "--namespace", "gone", "--yes", "--redis-url", redis_url, "--json")
     assert json.loads(out.stdout)["deleted"] == 1200
-    assert len(list(r.scan_iter(match="umbp:vllm:v1:gone:*"))) == 0
-    assert len(list(r.scan_iter(match="umbp:vllm:v1:kept:*"))) == 7
+    assert len(list(r.scan_iter(match="umbp:vllm:v2:gone:*"))) == 0
+    assert len(list(r.scan_iter(match="umbp:vllm:v2:kept:*"))) == 7
     assert r.exists("unrelated")
+
+
+def test_markers_are_counted_and_old_schema_keys_purged_alone(redis_url: str) -> None:
+    keys = fill(redis_url, "nsm", 3)
+    r = redis.Redis.from_url(redis_url)
+    marker = "umbp:vllm:v2:nsm:stored:g0:" + keys[0].rsplit(":", 1)[1]
+    r.set(marker, b"1", ex=100)
+    old = [f"umbp:vllm:v1:nsm:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(4)]
+    for k in old:
+        r.hset(k, "h", b"x")
+    r.set("umbp:vllm:v3:future:key", b"x")  # not an earlier schema: never touched
+    ls = json.loads(cli("ls", "--redis-url", redis_url, "--json").stdout)
+    assert ls["namespaces"] == {"nsm": 3} and ls["stored_markers"] == {"nsm": 1}
+    assert ls["old_schema_keys"] == 4
+    human = cli("ls", "--redis-url", redis_url).stdout
+    assert "namespace nsm: 3 keys, 1 stored markers" in human and "--old-schemas" in human
+    info = json.loads(cli("inspect", marker, "--redis-url", redis_url, "--json").stdout)
+    assert info["stored_marker"] and info["valid"] and 0 < info["ttl_s"] <= 100
+    refused = cli("purge", "--old-schemas", "--redis-url", redis_url, input_text="")
+    assert refused.returncode == 2 and all(r.exists(k) for k in old)
+    out = cli("purge", "--old-schemas", "--yes", "--redis-url", redis_url, "--json")
+    assert json.loads(out.stdout)["deleted"] == 4 and not any(r.exists(k) for k in old)
+    assert r.exists(marker) and all(r.exists(k) for k in keys)
+    assert r.exists("umbp:vllm:v3:future:key")
 
 
 @pytest.mark.parametrize("namespace", ["", "*", "ke*", "k?pt", "[gk]*", "a:b"])
@@ -110,7 +134,7 @@ def test_purge_refuses_empty_and_glob_namespaces(redis_url: str, namespace: str)
     out = cli("purge", "--namespace", namespace, "--yes", "--redis-url", redis_url)
     assert out.returncode == 2 and "exact namespace" in out.stderr
     r = redis.Redis.from_url(redis_url)
-    assert len(list(r.scan_iter(match="umbp:vllm:v1:*"))) == 5
+    assert len(list(r.scan_iter(match="umbp:vllm:v2:*"))) == 5
 
 
 def test_purge_all_needs_all_and_a_confirmation(redis_url: str) -> None:
@@ -120,10 +144,10 @@ def test_purge_all_needs_all_and_a_confirmation(redis_url: str) -> None:
     r.set("unrelated", b"x")
     assert cli("purge", "--redis-url", redis_url, "--yes").returncode == 2  # neither flag
     no_tty = cli("purge", "--all", "--redis-url", redis_url, input_text="all\n")
-    assert no_tty.returncode == 2 and len(list(r.scan_iter(match="umbp:vllm:v1:*"))) == 5
+    assert no_tty.returncode == 2 and len(list(r.scan_iter(match="umbp:vllm:v2:*"))) == 5
     out = cli("purge", "--all", "--yes", "--redis-url", redis_url, "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["deleted"] == 5
-    assert not list(r.scan_iter(match="umbp:vllm:v1:*")) and r.exists("unrelated")
+    assert not list(r.scan_iter(match="umbp:vllm:v2:*")) and r.exists("unrelated")
 
 
 def test_cli_reads_urls_as_the_connector_does(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,5 +238,5 @@ def test_bench_touches_only_its_own_keys(redis_url: str) -> None:
     assert r.get("precious") == b"x" and r.get("key:__rand_int__") == b"mine"
     assert sorted(k.decode() for k in r.scan_iter()) == sorted(
         ["precious", "key:__rand_int__"]
-        + [f"umbp:vllm:v1:users:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(3)]
+        + [f"umbp:vllm:v2:users:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(3)]
     )

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from helpers import cli, documented_acl, fill
+from helpers import check_stored_markers, cli, documented_acl, fill
 from typed_redis import raw
 
 from umbp_redis.data.keys import KEY_PREFIX
@@ -60,7 +60,7 @@ def cluster_plane(url: str, **kw) -> ClusterDataPlane:  # type: ignore[no-untype
 
 
 def keys_for(n: int, tag: str = "c") -> list[bytes]:
-    return [f"umbp:vllm:v1:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}".encode() for i in range(n)]
+    return [f"umbp:vllm:v2:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}".encode() for i in range(n)]
 
 
 def payloads(n: int, seed: int = 0) -> np.ndarray:
@@ -69,7 +69,7 @@ def payloads(n: int, seed: int = 0) -> np.ndarray:
 
 def key_in_slot(slot: int, tag: str = "s") -> bytes:
     for i in range(1_000_000):
-        k = f"umbp:vllm:v1:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}".encode()
+        k = f"umbp:vllm:v2:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}".encode()
         if key_slot(k) == slot:
             return k
     raise AssertionError("no key found")
@@ -295,7 +295,7 @@ def test_keys_spread_over_every_master_and_results_equal_standalone(
 
 def test_block_lookups_cover_every_rank_key_in_one_call(clean_cluster: EmbeddedCluster) -> None:
     plane = cluster_plane(clean_cluster.url)
-    prefixes = [f"umbp:vllm:v1:ns:tp{r}:pcp0:dcp0:pp0:g0:".encode() for r in range(4)]
+    prefixes = [f"umbp:vllm:v2:ns:tp{r}:pcp0:dcp0:pp0:g0:".encode() for r in range(4)]
     enc = plane.lookup_encoder(prefixes, refresh_ttl=True, hash_hex_len=64)
     assert isinstance(enc, ClusterLookupEncoder) and enc.replies == 4
     hashes = [f"{i:064x}".encode() for i in range(50)]
@@ -320,9 +320,9 @@ def test_request_counts_ride_with_a_cluster_lookup_and_keep_their_values(
     clean_cluster: EmbeddedCluster,
 ) -> None:
     plane = cluster_plane(clean_cluster.url)
-    prefix = b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:"
+    prefix = b"umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:"
     enc = plane.lookup_encoder([prefix], refresh_ttl=True, hash_hex_len=64)
-    cnt = plane.request_count_encoder(b"umbp:vllm:v1:ns:asked:", hash_hex_len=64)
+    cnt = plane.request_count_encoder(b"umbp:vllm:v2:ns:asked:", hash_hex_len=64)
     hashes = [f"{i:064x}".encode() for i in range(30)]
     rc = clean_cluster.cluster_client()
     rc.set(prefix + hashes[0], b"x")
@@ -333,6 +333,19 @@ def test_request_counts_ride_with_a_cluster_lookup_and_keep_their_values(
         assert replies is not None
         assert replies[:30] == [1] + [0] * 29
         assert replies[30::2] == [n] * 30 and replies[31::2] == [1] * 30
+    assert plane.counters()["cluster_node_failures"] == 0
+    rc.close()
+    plane.close()
+
+
+def test_stored_markers_are_written_refreshed_and_removed_on_every_master(
+    clean_cluster: EmbeddedCluster,
+) -> None:
+    plane = cluster_plane(clean_cluster.url)
+    rc = clean_cluster.cluster_client()
+    check_stored_markers(plane, rc)
+    masters = {rc.get_node_from_key(k).name for k in rc.scan_iter(match="*:stored:*")}
+    assert len(masters) == 3  # the markers spread over the masters, each sent to its own
     assert plane.counters()["cluster_node_failures"] == 0
     rc.close()
     plane.close()
@@ -631,6 +644,9 @@ def test_the_documented_minimal_acl_works_on_a_cluster(clean_cluster: EmbeddedCl
     assert plane.load([(k, out[i]) for i, k in enumerate(keys)], FP) == [LoadStatus.LOADED] * 30
     assert np.array_equal(out, data)
     assert plane.delete(keys) == 30
+    rc = clean_cluster.cluster_client()
+    check_stored_markers(plane, rc)  # SET, EXPIRE, UNLINK of markers and values
+    rc.close()
     assert plane.counters()["auth_failures"] == 0
     plane.close()
 

@@ -49,7 +49,7 @@ def test_cold_engine_stores_every_complete_prompt_block(
     )
     assert tokens(res["g"]) == tokens(baseline)
     r = redis.Redis.from_url(server.url)
-    keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v1:*")]
+    keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")]
     # Prompts share their first 2 blocks, then each has one block of its own.
     n_blocks = {full_blocks(o["prompt_tokens"]) for o in res["g"]["outputs"]}
     assert n_blocks == {3}
@@ -62,6 +62,11 @@ def test_cold_engine_stores_every_complete_prompt_block(
         assert 0 < r.ttl(k) <= 86400
         assert r.hstrlen(k, "b") > 0
     assert len(namespaces) == 1
+    # Every stored block got its stored marker (the one key lookups read), with the TTL.
+    (ns,) = namespaces
+    markers = {k.decode() for k in r.scan_iter(match=f"umbp:vllm:v2:{ns}:stored:*")}
+    assert markers == {f"umbp:vllm:v2:{ns}:stored:g0:{k.rsplit(':', 1)[1]}" for k in keys}
+    assert all(0 < r.ttl(m) <= 86400 for m in markers)
     # The operator CLI reads what a real engine stored.
     ls = json.loads(cli("ls", "--redis-url", server.url, "--json").stdout)
     assert ls["namespaces"] == {namespaces.pop(): len(keys)}
@@ -74,7 +79,7 @@ def test_engines_with_other_model_settings_never_share_objects(
     work: Path, tiny_model: Path, server: EmbeddedRedis
 ) -> None:
     r = redis.Redis.from_url(server.url)
-    before = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
+    before = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
     res = run_engine(
         work,
         "override",
@@ -86,7 +91,7 @@ def test_engines_with_other_model_settings_never_share_objects(
     # Nothing loaded from the first engines' objects: only local prefix-cache hits.
     first = res["g"]["outputs"][0]
     assert first["cached"] == 0
-    after = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
+    after = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
     assert len(before) == 1 and before < after and len(after) == 2
     # The operator CLI over what the two engines stored.
     new_ns, old_ns = (after - before).pop(), next(iter(before))
@@ -96,11 +101,13 @@ def test_engines_with_other_model_settings_never_share_objects(
     doctor = cli("doctor", "--redis-url", server.url)
     assert doctor.returncode == 0 and "reachable" in doctor.stdout
     purge = cli("purge", "--namespace", new_ns, "--yes", "--redis-url", server.url, "--json")
-    assert json.loads(purge.stdout)["deleted"] == stats["namespaces"][new_ns]["keys"]
-    left = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v1:*")}
+    # Its values and their stored markers, one each a block at TP=1.
+    assert json.loads(purge.stdout)["deleted"] == 2 * stats["namespaces"][new_ns]["keys"]
+    left = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
     assert left == before  # the other engine's objects are intact
+    assert not list(r.scan_iter(match=f"umbp:vllm:v2:{new_ns}:*"))
     # A copy of an engine's object with a damaged header fails validation.
-    src = next(iter(r.scan_iter(match=f"umbp:vllm:v1:{old_ns}:*"))).decode()
+    src = next(iter(r.scan_iter(match=f"umbp:vllm:v2:{old_ns}:tp*"))).decode()
     bad = src.rsplit(":", 1)[0] + ":" + "ab" * 32
     r.restore(bad, 0, raw(r.dump(src)))
     h = raw(r.hget(bad, "h") or b"")
@@ -272,7 +279,7 @@ def test_kv_cache_events_announce_what_redis_holds(
         res = run_engine(
             work, "events", tiny_model, connector(srv.url), phases, kv_events_port=free_port()
         )
-        stored_keys = len(list(redis.Redis.from_url(srv.url).scan_iter(match="umbp:vllm:v1:*")))
+        stored_keys = len(list(redis.Redis.from_url(srv.url).scan_iter(match="umbp:vllm:v2:*:tp*")))
     assert tokens(res["cold"]) == tokens(baseline)
     redis_events = [e for e in res["events"] if e["medium"] == "REDIS"]
     assert redis_events and {e["type"] for e in redis_events} == {"BlockStored"}
@@ -304,7 +311,8 @@ def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict)
     """Two TP ranks, sync loads (their stores of a load's step wait for its outcome):
     warm tokens equal cold ones; prompts extended past what Redis holds, answered with
     one token (they end in the step of their sync load), still store their new blocks,
-    so the same prompts hit them all next."""
+    so the same prompts hit them all next; a rank's values deleted under their markers
+    fail the loads into recomputes, and the blocks are stored again."""
     extra = sample_prompts(len(PROMPTS), 200, seed=9)
     longer = [p + " " + e for p, e in zip(PROMPTS, extra, strict=True)]
     with EmbeddedRedis() as srv:
@@ -317,12 +325,15 @@ def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict)
             {"op": "generate", "name": "longer", "prompts": longer, "max_tokens": 1},
             {"op": "reset"},
             {"op": "generate", "name": "longer_warm", "prompts": longer, "max_tokens": 1},
-            {"op": "delete_pattern", "url": url, "pattern": "umbp:vllm:v1:*:tp1:*", "name": "tp1"},
+            {"op": "delete_pattern", "url": url, "pattern": "umbp:vllm:v2:*:tp1:*", "name": "tp1"},
             {"op": "reset"},
             {"op": "generate", "name": "one_rank_missing"},
+            {"op": "reset"},
+            {"op": "generate", "name": "repaired"},
+            {"op": "count_keys", "url": url, "pattern": "umbp:vllm:v2:*:tp1:*", "name": "tp1_end"},
         ]
         res = run_engine(work, "tp2", tiny_model, connector(url, load_async=False), phases, tp=2)
-    for phase in ("cold", "warm", "one_rank_missing"):
+    for phase in ("cold", "warm", "one_rank_missing", "repaired"):
         assert tokens(res[phase]) == tokens(baseline), phase
     for o in res["warm"]["outputs"]:
         assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
@@ -335,8 +346,14 @@ def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict)
     # Every block has a key per TP rank: the 2 shared blocks, then each prompt's own.
     blocks = sum(full_blocks(o["prompt_tokens"]) - 2 for o in res["longer"]["outputs"])
     assert res["tp1"] == 2 + blocks
-    # Without the tp1 shard no block is a Redis hit: only local prefix-cache hits remain.
-    assert all(o["cached"] <= 2 * BLOCK for o in res["one_rank_missing"]["outputs"])
+    # The blocks' stored markers stayed, so the lookup offered them, and tp1's loads
+    # failed: vLLM recomputed them (equal tokens above) and the engine stored them
+    # again, every rank's value (a pass returns with its last stores possibly still in
+    # flight: counted after the next one), and the next pass loads them all.
+    short = sum(full_blocks(o["prompt_tokens"]) - 2 for o in res["warm"]["outputs"])
+    assert res["tp1_end"] == 2 + short
+    for o in res["repaired"]["outputs"]:
+        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
 
 
 def test_preemption_under_a_small_kv_cache(work: Path, tiny_model: Path) -> None:
@@ -486,7 +503,7 @@ def test_hybrid_sliding_window_model_stores_per_group_and_loads_every_hit(
         )
         r = redis.Redis.from_url(srv.url)
         by_group: dict[int, int] = {}
-        for k in r.scan_iter(match="umbp:vllm:v1:*"):
+        for k in r.scan_iter(match="umbp:vllm:v2:*:tp*"):
             g = parse_key(k.decode()).group_id
             by_group[g] = by_group.get(g, 0) + 1
         warm = run_engine(
@@ -547,7 +564,7 @@ def test_hybrid_model_in_lazy_store_mode_stores_on_eviction_and_loads_right_toke
         plain = run_engine(work, "hyl_plain", hybrid_model, None, [{"op": "generate", "name": "g"}])
         small = run_lazy_small(work, "hyl_small", hybrid_model, srv.url, other, blocks=24)
         r = redis.Redis.from_url(srv.url)
-        groups = {parse_key(k.decode()).group_id for k in r.scan_iter(match="umbp:vllm:v1:*")}
+        groups = {parse_key(k.decode()).group_id for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
         big = run_engine(
             work,
             "hyl_big",
@@ -615,7 +632,7 @@ def test_loads_by_layer_in_a_real_engine_give_the_tokens_of_recomputing(
             enforce_eager=eager,
         )
         r = redis.Redis.from_url(url)
-        fields = r.hkeys(next(r.scan_iter(match="umbp:vllm:v1:*")))
+        fields = r.hkeys(next(r.scan_iter(match="umbp:vllm:v2:*:tp*")))
     log = (work / f"by_layer_{eager}.log").read_text()
     assert "loads of at most" in log and "did not wait for every layer" not in log
     assert sorted(fields) == [b"b", b"b1", b"h"]  # value format 3: a part per layer

@@ -185,12 +185,12 @@ def test_another_part_split_rule_is_another_namespace(
 def test_key_schema_is_exact() -> None:
     codec = BlockIdentityCodec("ns1", RankTopology(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1))
     key = codec.key(HASH, 0)
-    assert key == f"umbp:vllm:v1:ns1:tp1:pcp0:dcp0:pp0:g0:{HASH.hex()}"
+    assert key == f"umbp:vllm:v2:ns1:tp1:pcp0:dcp0:pp0:g0:{HASH.hex()}"
     decoded = parse_key(key)
     assert decoded.namespace == "ns1" and decoded.tp_rank == 1 and decoded.block_hash == HASH
     assert decoded.group_id == 0
     assert codec.rank_keys(HASH, 0) == (
-        f"umbp:vllm:v1:ns1:tp0:pcp0:dcp0:pp0:g0:{HASH.hex()}",
+        f"umbp:vllm:v2:ns1:tp0:pcp0:dcp0:pp0:g0:{HASH.hex()}",
         key,
     )
     assert codec.keys_per_object(codec.topology, 0) == 2
@@ -205,7 +205,7 @@ def test_keys_never_hold_block_ids_or_request_ids() -> None:
     with pytest.raises(TypeError):
         codec.key("abc", 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        parse_key("umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:xyz")
+        parse_key("umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:xyz")
 
 
 def test_replicated_group_keys() -> None:

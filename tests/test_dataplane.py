@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import redis
 from fake_servers import FakeServer, loading_server
-from helpers import wait_until_server_is_asleep
+from helpers import check_stored_markers, wait_until_server_is_asleep
 from typed_redis import raw
 
 from umbp_redis.data.keys import parse_key
@@ -45,7 +45,7 @@ def payloads(n: int, size: int, seed: int = 0) -> np.ndarray:
 
 
 def keys_for(n: int, tag: str = "t") -> list[str]:
-    return [f"umbp:vllm:v1:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
+    return [f"umbp:vllm:v2:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
 
 
 # --- lookup --------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def test_a_scheduler_lookup_of_1000_blocks_is_one_send(
         sent.append(len(buffers))
         return real(sock, buffers, use_sendmsg=use_sendmsg, deadline=deadline)
 
-    prefixes = [b"umbp:vllm:v1:onesend:tp0:pcp0:dcp0:pp0:g0:"]
+    prefixes = [b"umbp:vllm:v2:onesend:tp0:pcp0:dcp0:pp0:g0:"]
     enc = plane.lookup_encoder(prefixes, refresh_ttl=True, hash_hex_len=64)
     blocks = [enc.encode(b"%064x" % i) for i in range(1000)]
     monkeypatch.setattr("umbp_redis.store.plane.send_buffers", counting)
@@ -96,8 +96,8 @@ def test_request_counts_ride_with_a_lookup_and_a_full_redis_refusing_them_fails_
 ) -> None:
     r = redis.Redis.from_url(own_redis.url)
     plane = make_plane(own_redis.url, ttl_seconds=600)
-    prefix = b"umbp:vllm:v1:cnt:tp0:pcp0:dcp0:pp0:g0:"
-    counter_prefix = b"umbp:vllm:v1:cnt:asked:"
+    prefix = b"umbp:vllm:v2:cnt:tp0:pcp0:dcp0:pp0:g0:"
+    counter_prefix = b"umbp:vllm:v2:cnt:asked:"
     enc = plane.lookup_encoder([prefix], refresh_ttl=True, hash_hex_len=64)
     cnt = plane.request_count_encoder(counter_prefix, hash_hex_len=64)
     hashes = [b"%064x" % i for i in range(3)]
@@ -116,6 +116,23 @@ def test_request_counts_ride_with_a_lookup_and_a_full_redis_refusing_them_fails_
     assert plane.lookup_blocks(blocks, 9, counted_from=3) == [1, 0, 0, 0, 1, 0, 1, 0, 1]
     assert r.get(counter_prefix + hashes[0]) == b"2"
     plane.close()
+
+
+def test_stored_markers_are_written_refreshed_and_removed_on_a_server(
+    plane: RedisDataPlane, redis_url: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    check_stored_markers(plane, r)
+    r.close()
+
+
+def test_keyed_commands_to_no_server_end_within_their_timeout() -> None:
+    d = make_plane(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.2)
+    t0 = time.monotonic()
+    assert d.run_keyed([(b"k", resp.encode_command(b"SET", b"k", b"1"))], timeout=0.5) is None
+    assert time.monotonic() - t0 < 2.0
+    assert d.counters()["upkeep_errors"] == 1
+    d.close()
 
 
 # --- values in parts (loads by layer) --------------------------------------------------

@@ -15,6 +15,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
 from umbp_redis.data import (
+    BlockIdentityCodec,
     RankTopology,
     StoreEventResult,
     UMBPConnectorMetadata,
@@ -48,15 +49,48 @@ def parse_commands(buf: bytes) -> list[list[bytes]]:
 
 
 class ScriptedDataPlane:
-    """Answers encoded lookups (EXPIRE/TOUCH) from a set of present keys and request
-    counts (INCR, and EXPIRE of a counter) from a dict; records the block keys each
-    lookup asked about, in order."""
+    """Answers encoded lookups (EXPIRE/TOUCH) from a set of present value keys and
+    request counts (INCR, and EXPIRE of a counter) from a dict; records the keys each
+    lookup asked about, in order. A block's stored marker is present when it was
+    written (``run_keyed``) or, once ``codec`` is set, when every rank's value key of
+    the block is in ``present``."""
 
     def __init__(self, present: set[str] | None = None, fail: bool = False) -> None:
         self.present = present or set()
         self.fail = fail
         self.calls: list[list[str]] = []
         self.asked: dict[str, int] = {}  # request counters by key
+        self.codec: BlockIdentityCodec | None = None
+        self.markers: set[str] = set()  # markers written by run_keyed
+        self.keyed: list[list[bytes]] = []  # every run_keyed call's commands, parsed
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` (a value key or a stored marker) is present."""
+        if key in self.present or key in self.markers:
+            return True
+        if ":stored:g" not in key or self.codec is None:
+            return False
+        head, hx = key.rsplit(":", 1)
+        g = int(head.rsplit(":g", 1)[1])
+        return all(k in self.present for k in self.codec.rank_keys(bytes.fromhex(hx), g))
+
+    def run_keyed(self, commands: list[tuple[bytes, bytes]], *, timeout: float) -> list[int] | None:
+        if self.fail:
+            return None
+        out = []
+        for _, buf in commands:
+            (cmd,) = parse_commands(buf)
+            self.keyed.append(cmd)
+            key = cmd[1].decode()
+            if cmd[0] == b"SET":
+                self.markers.add(key)
+                out.append(1)
+            elif cmd[0] == b"UNLINK":
+                out.append(int(self.has(key)))
+                self.markers.discard(key)
+            else:  # EXPIRE / TOUCH of a value key
+                out.append(int(self.has(key)))
+        return out
 
     lookup_mode = "standalone"
 
@@ -90,7 +124,7 @@ class ScriptedDataPlane:
                 continue
             keys = [k.decode() for k in (cmd[1:2] if cmd[0] == b"EXPIRE" else cmd[1:])]
             asked.extend(keys)
-            replies.append(sum(k in self.present for k in keys))
+            replies.append(sum(self.has(k) for k in keys))
         assert len(replies) == count
         self.calls.append(asked)
         return None if self.fail else replies
@@ -143,7 +177,15 @@ def make_scheduler(
     ktc(cfg).kv_role = role  # type: ignore[assignment]
     kv, _ = vllm_layout_caches(KVCacheLayout.LBHNC, num_blocks=32, spec=attn_spec(block_size=BS))
     options = parse_connector_options(ktc(cfg).kv_connector_extra_config)
-    return UMBPScheduler(cfg, kv, *options, plane=plane)  # type: ignore[arg-type]
+    s = UMBPScheduler(cfg, kv, *options, plane=plane)  # type: ignore[arg-type]
+    plane.codec = s.codec
+    return s
+
+
+def marker_keys(s: UMBPScheduler, hashes: list[bytes], group: int = 0) -> list[str]:
+    """The stored markers of ``hashes`` in ``group``: the keys a lookup reads."""
+    assert s.codec is not None
+    return [s.codec.marker_prefix(group) + h.hex() for h in hashes]
 
 
 def request(n_tokens: int, rid: str = "r1") -> FakeRequest:
@@ -158,13 +200,14 @@ def test_counts_the_consecutive_prefix_whose_every_key_exists(model_config: Mode
     keys = [s.codec.key(h, 0) for h in req.block_hashes]
     plane.present = {keys[0], keys[1], keys[3]}
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
-    assert len(plane.calls) == 1 and plane.calls[0] == keys  # one round trip, all blocks
+    # One round trip, one stored marker a block.
+    assert len(plane.calls) == 1 and plane.calls[0] == marker_keys(s, req.block_hashes)
     # Side-effect free: asked again, same answer.
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
     # Beyond the local prefix hit only; the locally cached block is refreshed in the
     # same round trip (its presence does not count).
     assert s.get_num_new_matched_tokens(req, BS) == (BS, True)
-    assert plane.calls[-1] == keys
+    assert plane.calls[-1] == marker_keys(s, req.block_hashes)
     plane.present.discard(keys[0])
     assert s.get_num_new_matched_tokens(req, BS) == (BS, True)
 
@@ -200,7 +243,8 @@ def test_tp2_block_needs_every_rank_key(model_config: ModelConfig) -> None:
     assert s.codec is not None
     plane.present = {s.codec.rank_keys(req.block_hashes[0], 0)[0]}  # only tp0's shard
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert len(plane.calls[0]) == 2 * 3
+    # One key a block at any TP: its stored marker (present once every rank stored).
+    assert plane.calls[0] == marker_keys(s, req.block_hashes[:3])
     plane.present |= {k for h in req.block_hashes for k in s.codec.rank_keys(h, 0)}
     assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
 
@@ -214,7 +258,7 @@ def test_derived_namespace_waits_for_the_workers(model_config: ModelConfig) -> N
     s.adopt_handshake({(0, 0): UMBPHandshakeMetadata("abc123", RankTopology())})
     assert s.codec is not None and s.codec.namespace == "abc123"
     s.get_num_new_matched_tokens(request(600), 0)
-    assert plane.calls and plane.calls[0][0].startswith("umbp:vllm:v1:abc123:")
+    assert plane.calls and plane.calls[0][0].startswith("umbp:vllm:v2:abc123:")
 
 
 def _step(new=(), cached=(), sched=None, preempted=None):  # type: ignore[no-untyped-def]
@@ -473,13 +517,13 @@ def test_keys_are_built_once_per_block(
     req.block_hashes = request(4 * BS + 5).block_hashes
     s.get_num_new_matched_tokens(req, 0)
     assert len(built) == 4  # only the new blocks
-    assert len(plane.calls[-1]) == 4 * 2  # two rank keys a block, all in one round trip
+    assert len(plane.calls[-1]) == 4  # one marker a block at TP=2, all in one round trip
 
 
 def test_encoded_lookups_equal_the_reference_encoding() -> None:
     from umbp_redis.store.commands import LookupEncoder, lookup_commands
 
-    prefixes = [b"umbp:vllm:v1:ns:tp0:pcp0:dcp0:pp0:g0:", b"umbp:vllm:v1:ns:tp1:pcp0:dcp0:pp0:g0:"]
+    prefixes = [b"umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:", b"umbp:vllm:v2:ns:tp1:pcp0:dcp0:pp0:g0:"]
     hx = bytes(range(32)).hex().encode()
     for refresh in (True, False):
         enc = LookupEncoder(prefixes, refresh_ttl=refresh, ttl=b"3600", hash_hex_len=len(hx))
@@ -510,7 +554,7 @@ def test_without_ttl_refresh_one_touch_per_block_checks_every_rank(
     plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
     plane.present.add(s.codec.rank_keys(req.block_hashes[2], 0)[1])  # one shard of block 2
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
-    assert len(plane.calls[-1]) == 6
+    assert plane.calls[-1] == marker_keys(s, req.block_hashes[:3])
 
 
 def test_blocks_recomputed_after_a_failed_load_are_stored_again(
@@ -928,7 +972,9 @@ def _hybrid_scheduler(
     )
     cfg = make_vllm_config(model_config, extra={"key_namespace": "unit", **extra})
     options = parse_connector_options(ktc(cfg).kv_connector_extra_config)
-    return UMBPScheduler(cfg, kv, *options, plane=plane)  # type: ignore[arg-type]
+    s = UMBPScheduler(cfg, kv, *options, plane=plane)  # type: ignore[arg-type]
+    plane.codec = s.codec
+    return s
 
 
 def test_hybrid_hit_needs_every_full_block_and_the_window_before_it(
@@ -945,7 +991,9 @@ def test_hybrid_hit_needs_every_full_block_and_the_window_before_it(
     plane.present = set(full) | {window[2], window[3], window[6]}
     assert s.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
     # One round trip asks every block of both groups.
-    assert sorted(plane.calls[-1]) == sorted(full[:8] + window[:8])
+    assert sorted(plane.calls[-1]) == sorted(
+        marker_keys(s, req.block_hashes[:8], 1) + marker_keys(s, req.block_hashes[:8], 0)
+    )
     plane.present.add(window[5])
     assert s.get_num_new_matched_tokens(req, 0) == (7 * BS, True)
     # Beyond a local hit of 5 blocks only the window blocks from block 5 on count.
@@ -1285,3 +1333,78 @@ def test_the_admission_rule_needs_lookups(model_config: ModelConfig) -> None:
     s = make_scheduler(model_config, plane)
     s.get_num_new_matched_tokens(request(3 * BS + 40), 0)
     assert plane.asked == {}
+
+
+def _report(s: UMBPScheduler, results: dict[int, StoreEventResult], **meta: Any) -> None:
+    s.update_connector_output(
+        SimpleNamespace(  # type: ignore[arg-type]
+            finished_recving=None,
+            kv_connector_worker_meta=UMBPConnectorWorkerMetadata(results, **meta),
+        )
+    )
+
+
+def test_a_block_is_marked_stored_once_every_rank_reported_it_and_none_failed(
+    model_config: ModelConfig,
+) -> None:
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, tp=2)
+    pool = FakeBlockPool(32)
+    s.bind_block_pool(pool)
+    req = request(3 * BS + 40)
+    s.get_num_new_matched_tokens(req, 0)
+    meta = s.build_connector_meta(
+        _step(new=[("r1", ([5, 6, 7, 8],), 0)], sched={"r1": 3 * BS + 40})
+    )
+    (batch,) = meta.stores
+    assert list(batch.block_hashes) == req.block_hashes[:3]
+    # vLLM keeps stepping while the stores await their reports (no request left).
+    assert s.has_pending_push_work()
+    eid = batch.event_id
+    assert s.codec is not None
+    failed = s.codec.key(req.block_hashes[1], 0, RankTopology(tp_size=2, tp_rank=1))
+    _report(s, {eid: StoreEventResult(eid)})  # tp0 done
+    assert s.markers.flush(5) and plane.markers == set()  # tp1 has not reported yet
+    _report(s, {eid: StoreEventResult(eid, 1, frozenset({failed}))})  # tp1: block 1 failed
+    assert s.markers.flush(5)
+    assert sorted(plane.markers) == sorted(marker_keys(s, [req.block_hashes[i] for i in (0, 2)]))
+    assert not s.has_pending_push_work()
+    stats = s.take_stats()
+    assert stats["markers_written"] == 2
+    # A lookup reads the markers alone: block 0 hits, block 1 (unmarked) ends the hit.
+    other = request(3 * BS + 40, rid="r2")
+    assert s.get_num_new_matched_tokens(other, 0) == (BS, True)
+    # The found prefix's values are refreshed, every rank's key, on the writer's thread
+    # (block 2, past the gap, is of no use to this request: not refreshed).
+    assert s.markers.flush(5)
+    refreshed = [c for c in plane.keyed if c[0] == b"EXPIRE"]
+    assert sorted(c[1].decode() for c in refreshed) == sorted(
+        s.codec.rank_keys(req.block_hashes[0], 0)
+    )
+    # The values were not in the scripted Redis: the refresh found them gone and
+    # deleted the marker, so the next lookup misses instead of failing a load.
+    assert plane.markers == {marker_keys(s, [req.block_hashes[2]])[0]}
+    assert s.get_num_new_matched_tokens(request(3 * BS + 40, rid="r3"), 0) == (0, False)
+    assert s.take_stats()["stale_markers_removed"] == 1
+
+
+def test_found_values_are_refreshed_at_most_once_an_interval_and_invalid_ones_unmarked(
+    model_config: ModelConfig,
+) -> None:
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, tp=2)
+    req = request(2 * BS + 40)
+    assert s.codec is not None
+    plane.present = {k for h in req.block_hashes for k in s.codec.rank_keys(h, 0)}
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    assert s.markers.flush(5)
+    assert len([c for c in plane.keyed if c[0] == b"EXPIRE"]) == 2 * 2  # 2 blocks x 2 ranks
+    assert s.get_num_new_matched_tokens(request(2 * BS + 40, rid="r2"), 0) == (2 * BS, True)
+    assert s.markers.flush(5)
+    assert len(plane.keyed) == 4  # within the interval: not again
+    assert s.take_stats()["values_refreshed"] == 4
+    # A worker found block 0's value invalid and deleted it: its marker goes too.
+    plane.markers = set(marker_keys(s, req.block_hashes[:2]))
+    _report(s, {}, removed_blocks=(req.block_hashes[0],))
+    assert s.markers.flush(5)
+    assert plane.markers == set(marker_keys(s, req.block_hashes[1:2]))

@@ -205,5 +205,8 @@ class UMBPRedisConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_block_frees(self) -> bool:
         return self._scheduler.has_pending_block_frees() if self._scheduler is not None else False
 
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.has_pending_push_work() if self._scheduler is not None else False
+
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else True

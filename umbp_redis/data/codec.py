@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 class BlockIdentityCodec:
     """Stable rank-local keys from vLLM block hashes.
 
-    ``umbp:vllm:v1:{namespace}:tp{tp}:pcp{pcp}:dcp{dcp}:pp{pp}:g{group_id}:{hash hex}``.
+    ``umbp:vllm:v2:{namespace}:tp{tp}:pcp{pcp}:dcp{dcp}:pp{pp}:g{group_id}:{hash hex}``,
+    and one stored marker per (block, group) for every rank: ``marker_prefix``.
     Groups in ``replicated_groups`` get one TP-agnostic key (``tp*``) that every TP
     rank loads and only TP rank 0 stores. Keys never contain a physical block id, a
     request id or a DP rank, so any engine of the namespace can find them.
@@ -51,9 +52,17 @@ class BlockIdentityCodec:
             cache[group_id] = out
         return out
 
+    def marker_prefix(self, group_id: int) -> str:
+        """``umbp:vllm:v2:{namespace}:stored:g{group_id}:``: with a block's hash hex, the
+        key that proves every rank's value of the block in ``group_id`` was stored (the
+        one key a lookup reads, at any TP/PP/PCP/DCP)."""
+        if not isinstance(group_id, int) or group_id < 0:
+            raise ValueError(f"group_id must be a non-negative int, got {group_id!r}")
+        return f"{KEY_PREFIX}:{self.namespace}:stored:g{group_id}:"
+
     @property
     def request_count_prefix(self) -> str:
-        """``umbp:vllm:v1:{namespace}:asked:``: with a block's hash hex, the key counting
+        """``umbp:vllm:v2:{namespace}:asked:``: with a block's hash hex, the key counting
         the requests that asked for its prefix (one per block, for every rank and group)."""
         return f"{KEY_PREFIX}:{self.namespace}:asked:"
 

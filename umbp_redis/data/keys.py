@@ -1,11 +1,14 @@
 """The key schema: prefix, parsing and SCAN patterns (light: no torch, no vLLM).
 
-``umbp:vllm:v1:{namespace}:tp{tp}:pcp{pcp}:dcp{dcp}:pp{pp}:g{group_id}:{block_hash hex}``;
-``BlockIdentityCodec`` in ``umbp_redis.data`` builds the keys, this module reads them.
+A block's values, one per rank:
+``umbp:vllm:v2:{namespace}:tp{tp}:pcp{pcp}:dcp{dcp}:pp{pp}:g{group_id}:{block_hash hex}``;
+its stored marker, one per (block, group), written once every rank's value was stored
+and the only key a lookup reads: ``umbp:vllm:v2:{namespace}:stored:g{group_id}:{block_hash hex}``.
 With ``store_after_requests`` above 1 a namespace also holds one counter per block,
-``umbp:vllm:v1:{namespace}:asked:{block_hash hex}`` (an integer string): it matches the
-namespace's SCAN pattern (``purge`` removes it) but is not a block key (``parse_key``
-refuses it).
+``umbp:vllm:v2:{namespace}:asked:{block_hash hex}`` (an integer string). Markers and
+counters match the namespace's SCAN pattern (``purge`` removes them) but are not value
+keys (``parse_key`` refuses them). ``BlockIdentityCodec`` in ``umbp_redis.data`` builds
+the keys, this module reads them.
 """
 
 from __future__ import annotations
@@ -13,14 +16,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KEY_PREFIX = "umbp:vllm:v1"
-"""First fields of every key this project writes; the ``v1`` is the key-schema version."""
+KEY_PREFIX = "umbp:vllm:v2"
+"""First fields of every key this project writes; the ``v2`` is the key-schema version."""
+
+OLD_KEY_PREFIXES = ("umbp:vllm:v1",)
+"""Prefixes of earlier key-schema versions: never read (misses), removable by ``purge``."""
 
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _KEY_RE = re.compile(
-    r"^umbp:vllm:v1:(?P<ns>[A-Za-z0-9_.\-]{1,64}):tp(?P<tp>\d+|\*):pcp(?P<pcp>\d+)"
+    r"^umbp:vllm:v2:(?P<ns>[A-Za-z0-9_.\-]{1,64}):tp(?P<tp>\d+|\*):pcp(?P<pcp>\d+)"
     r":dcp(?P<dcp>\d+):pp(?P<pp>\d+):g(?P<group>\d+):(?P<hash>[0-9a-f]+)$"
 )
+_MARKER_RE = re.compile(r"^umbp:vllm:v2:[A-Za-z0-9_.\-]{1,64}:stored:g\d+:[0-9a-f]+$")
 
 
 @dataclass(frozen=True)
@@ -56,3 +63,14 @@ def parse_key(key: str | bytes) -> DecodedKey:
 def namespace_pattern(namespace: str | None = None) -> str:
     """A SCAN ``MATCH`` pattern for every key of ``namespace`` (or of every namespace)."""
     return f"{KEY_PREFIX}:{namespace or '*'}:*"
+
+
+def old_schema_patterns() -> tuple[str, ...]:
+    """SCAN ``MATCH`` patterns for every key of an earlier key-schema version."""
+    return tuple(f"{p}:*" for p in OLD_KEY_PREFIXES)
+
+
+def is_marker_key(key: str | bytes) -> bool:
+    """Whether ``key`` is a block's stored marker of this schema."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return _MARKER_RE.match(text) is not None

@@ -1,9 +1,12 @@
 """Prefix lookups: how many of a request's prompt blocks Redis holds, in one round trip.
 
-Keys and their encoded lookup commands are built once per block hash and kept with the
-request; a lookup covers the whole prefix chain the request relies on (blocks the
-engine's own prefix cache holds included), so every request that shares a prefix
-refreshes it in Redis (TTL or LRU clock) and LRU eviction takes unshared suffixes first.
+A lookup reads one key per (block, cache group) whatever the parallelism: the block's
+stored marker (``StoredMarkers``), written once every rank's value was stored. Keys and
+their encoded lookup commands are built once per block hash and kept with the request;
+a lookup covers the whole prefix chain the request relies on (blocks the engine's own
+prefix cache holds included), so every request that shares a prefix refreshes it in
+Redis (TTL or LRU clock: the marker at once, its values on the marker writer's thread)
+and LRU eviction takes unshared suffixes first.
 With a store admission rule (``store_after_requests`` above 1) a request's first lookup
 also counts it against every block of its prompt, in the same round trip.
 """
@@ -21,13 +24,21 @@ from umbp_redis.engine.request_state import BlockHashing, RequestState
 from umbp_redis.engine.stats import StatsRecorder
 from umbp_redis.store.deployment import DataPlane
 
+# Told of the leading blocks an answered lookup found: (codec, how many, block -> its
+# hash, the groups, (block, group position) -> whether Redis holds it).
+FoundBlocksCallback = Callable[
+    [BlockIdentityCodec, int, Callable[[int], bytes | None], list[int], Callable[[int, int], bool]],
+    None,
+]
+
 
 class PrefixLookup:
-    """Answers which prefix blocks of a request every rank's value exists for.
+    """Answers which prefix blocks of a request every rank's value was stored for.
 
     With ``lookup_async`` the lookup runs on a thread of its own: the first call for a
     request state starts it and answers None (ask again), a later call with the same
-    state returns its answer. Blocks in ``quarantine`` end a hit.
+    state returns its answer. Blocks in ``quarantine`` end a hit. ``on_found`` hears
+    of the leading blocks every answer found (the marker writer refreshes their values).
 
     With ``admit_after`` above 1 the first lookup of a request also increments each of
     its prompt blocks' request counter and records in ``st.admitted_blocks`` the leading
@@ -48,6 +59,7 @@ class PrefixLookup:
         refresh_ttl: bool,
         lookup_async: bool,
         admit_after: int = 1,
+        on_found: FoundBlocksCallback | None = None,
     ) -> None:
         self.plane = plane
         self.groups = groups
@@ -57,6 +69,7 @@ class PrefixLookup:
         self.stats = stats
         self.refresh_ttl = refresh_ttl
         self.admit_after = admit_after
+        self.on_found = on_found
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="umbp-lookup") if lookup_async else None
         )
@@ -129,8 +142,14 @@ class PrefixLookup:
             return True
 
         plans = self.group_plans
-        if self.admit_after > 1:
-            st.redis_prefix_blocks = plans.full_prefix_end(0, n_blocks, in_redis)
+        if self.on_found is not None or self.admit_after > 1:
+            # The leading blocks Redis holds, the engine's own included.
+            found = plans.full_prefix_end(0, n_blocks, in_redis)
+            st.redis_prefix_blocks = found
+            if self.on_found is not None and found:
+                self.on_found(
+                    codec, found, lambda b: self.hashing.hash_of(request, b), self.groups, in_redis
+                )
         if not plans.all_full:
             st.absent = {
                 (b, pos)
@@ -158,7 +177,7 @@ class PrefixLookup:
         def make(hex_len: int) -> list[Any]:
             return [
                 self.plane.lookup_encoder(
-                    [p.encode() for p in codec.key_prefixes(g)],
+                    [codec.marker_prefix(g).encode()],
                     refresh_ttl=self.refresh_ttl,
                     hash_hex_len=hex_len,
                 )
@@ -170,8 +189,8 @@ class PrefixLookup:
             cmds.extend(e.encode(hx) for e in encoders)
             if not st.group_replies:
                 first = 0
-                for g, e in zip(self.groups, encoders, strict=True):
-                    st.group_replies.append((first, e.replies, len(codec.key_prefixes(g))))
+                for e in encoders:  # one marker a group
+                    st.group_replies.append((first, e.replies, 1))
                     first += e.replies
                 st.replies_per_block = first
         return cmds

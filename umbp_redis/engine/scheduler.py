@@ -32,6 +32,7 @@ from umbp_redis.data import (
     block_failures_reportable,
     tp_replicated_group_ids,
 )
+from umbp_redis.engine.block_markers import StoredMarkers
 from umbp_redis.engine.handshake import agreed_namespace
 from umbp_redis.engine.hook_guard import check_engine_config, guarded_hook
 from umbp_redis.engine.kv_events import StoredBlockEvents
@@ -62,6 +63,9 @@ log = logging.getLogger(__name__)
 # the step back: vLLM's engine loop would otherwise spin and take the CPU and the GIL
 # from the transfers (measured: docs/performance.md, warm loads).
 IDLE_WAIT_S = 0.001
+
+# How long shutdown waits for the stored markers of reported stores to be written.
+MARKER_FLUSH_S = 2.0
 
 # The request statuses vLLM sets while applying a step's output (a stop condition met).
 _STOPPED_BY_OUTPUT = frozenset(
@@ -140,6 +144,14 @@ class UMBPScheduler:
         self.plane: DataPlane = plane or shared_plane(settings)
         self.plane.warm_up()  # the lookup connection is made now, off the scheduler thread
         self.quarantine = LoadQuarantine(options.load_failure_quarantine_s)
+        self.num_workers = self.topology.num_rank_namespaces
+        self.markers = StoredMarkers(
+            self.plane,
+            self.num_workers,
+            ttl_s=settings.ttl_seconds,
+            refresh_ttl=settings.refresh_ttl_on_lookup,
+            timeout_s=settings.op_timeout_s,
+        )
         self.lookups = PrefixLookup(
             self.plane,
             self.groups,
@@ -150,8 +162,8 @@ class UMBPScheduler:
             refresh_ttl=settings.refresh_ttl_on_lookup,
             lookup_async=options.lookup_async,
             admit_after=self.store_after_requests,
+            on_found=self.markers.note_found,
         )
-        self.num_workers = self.topology.num_rank_namespaces
         self.pins = BlockPins(self.num_workers)
         # KV cache events (only with vLLM's --kv-events-config).
         events_cfg = getattr(vllm_config, "kv_events_config", None)
@@ -184,6 +196,7 @@ class UMBPScheduler:
             events=self.events,
             lazy=self.lazy,
             admission=self.store_after_requests > 1,
+            markers=self.markers,
         )
         t = self.topology
         # Several ranks compute each token together: one rank's failed load reaches the
@@ -286,6 +299,11 @@ class UMBPScheduler:
             "stale_pins_released": self.pins.stale_released,
             "sync_load_uncached": self.loads.uncached_blocks,
             "lazy_blocks_stored": self.lazy.blocks_stored if self.lazy is not None else 0,
+            "markers_written": self.markers.written,
+            "marker_failures": self.markers.failed,
+            "values_refreshed": self.markers.refreshed,
+            "stale_markers_removed": self.markers.stale,
+            "marker_commands_dropped": self.markers.dropped,
         }
 
     def take_stats(self) -> dict[str, Any]:
@@ -329,12 +347,12 @@ class UMBPScheduler:
         meta.step_requests = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         if (
             self.idle_wait_s > 0
-            and self.pins.loads
+            and (self.pins.loads or self.pins.stores)
             and not meta.loads
             and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         ):
-            # Nothing to compute but loads in flight: a spinning engine loop would take
-            # the CPU and the GIL from them. IDLE_WAIT_S per such step.
+            # Nothing to compute but transfers in flight: a spinning engine loop would
+            # take the CPU and the GIL from them. IDLE_WAIT_S per such step.
             self.idle_waits += 1
             time.sleep(self.idle_wait_s)
         self.stores.start_step()
@@ -464,6 +482,12 @@ class UMBPScheduler:
             for eid, res in meta.store_results.items():
                 self.events.note_store_report(eid, res.finished_workers, bool(res.failed_keys))
             self.events.note_removed(meta.removed_blocks, self.groups)
+        if self.codec is not None:
+            for eid, res in meta.store_results.items():
+                self.markers.note_store_report(
+                    self.codec, eid, res.finished_workers, res.failed_keys
+                )
+            self.markers.note_removed(self.codec, meta.removed_blocks, self.groups)
         for eid, res in meta.store_results.items():
             self.pins.store_reported(eid, res.finished_workers)
 
@@ -513,6 +537,13 @@ class UMBPScheduler:
         pinned = itertools.chain(self.pins.blocks(), early)
         return any(getattr(b, "ref_cnt", 0) == 1 for b in pinned)
 
+    @guarded_hook(lambda self: False)
+    def has_pending_push_work(self) -> bool:
+        """Whether stores await their workers' reports: vLLM keeps stepping until they
+        come (or ``release_stale`` gives up on them), so their blocks get their stored
+        markers although no request is left."""
+        return bool(self.pins.stores)
+
     @property
     def pinned_blocks(self) -> int:
         """Blocks held for in-flight transfers (0 when idle)."""
@@ -523,8 +554,10 @@ class UMBPScheduler:
         return True
 
     def shutdown(self) -> None:
-        """Release every pinned block and stop the lookup thread."""
+        """Release every pinned block, stop the lookup thread and write the markers of
+        the stores reported so far (waiting up to ``MARKER_FLUSH_S``)."""
         self.lookups.shutdown()
+        self.markers.close(MARKER_FLUSH_S)
         self.pins.release_all()
         if self.lazy is not None:
             self.lazy.release_early(self.pins.block_pool)

@@ -239,7 +239,7 @@ COUNTERS: tuple[Counter, ...] = (
     ),
     Counter(
         "idle_waits",
-        "Engine steps with nothing to compute but loads in flight, in which the "
+        "Engine steps with nothing to compute but loads or stores in flight, in which the "
         "scheduler waited 1 ms.",
         "nonzero",
         "scheduler",
@@ -253,6 +253,37 @@ COUNTERS: tuple[Counter, ...] = (
     Counter(
         "sync_load_uncached",
         "Blocks taken out of vLLM's prefix cache after a failed sync load.",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "markers_written",
+        "Stored markers written: blocks every rank's worker reported stored.",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "marker_failures",
+        "Stored markers, value refreshes and marker deletions that did not land "
+        "(a marker not written is a miss).",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "values_refreshed",
+        "Value keys of found blocks whose TTL or LRU clock was refreshed.",
+        "",
+        "scheduler",
+    ),
+    Counter(
+        "stale_markers_removed",
+        "Stored markers deleted because a rank value was gone or found invalid.",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "marker_commands_dropped",
+        "Marker writes and value refreshes dropped: the writer's queue was full.",
         "nonzero",
         "scheduler",
     ),

@@ -7,6 +7,7 @@ import itertools
 from typing import Any
 
 from umbp_redis.data import BlockStoreBatch, CacheGroupPlans, UMBPConnectorMetadata
+from umbp_redis.engine.block_markers import StoredMarkers
 from umbp_redis.engine.kv_events import EventBlock, StoredBlockEvents, event_blocks
 from umbp_redis.engine.lazy_store import LazyStorePlanner
 from umbp_redis.engine.pins import BlockPins
@@ -20,7 +21,8 @@ class StorePlanner:
     A block goes out at most once per step across requests; blocks Redis or vLLM's
     local cache already holds are not sent again, except for groups that keep only
     some blocks and lack them. With ``events``, each batch's blocks are announced once
-    stored on every rank. With ``admission`` only the blocks a lookup admitted
+    stored on every rank, and ``markers`` gets each batch's blocks to mark once stored on
+    every rank. With ``admission`` only the blocks a lookup admitted
     (``st.admitted_blocks``) are stored; a request no lookup counted stores none.
     """
 
@@ -36,6 +38,7 @@ class StorePlanner:
         events: StoredBlockEvents | None,
         lazy: LazyStorePlanner | None,
         admission: bool = False,
+        markers: StoredMarkers | None = None,
     ) -> None:
         self.groups = groups
         self.group_plans = group_plans
@@ -46,6 +49,7 @@ class StorePlanner:
         self.events = events
         self.lazy = lazy
         self.admission = admission
+        self.markers = markers
         # (block hash, group) already in this step's stores.
         self._planned_this_step: set[tuple[bytes, int]] = set()
 
@@ -158,4 +162,6 @@ class StorePlanner:
         )
         if event_data is not None and self.events is not None:
             self.events.track(event, event_data)
+        if self.markers is not None:
+            self.markers.track(event, hashes, group_ids)
         self.pins.pin_store(event, block_ids, pinned)

@@ -16,7 +16,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from umbp_redis.data.keys import NAMESPACE_RE, namespace_pattern, parse_key
+from umbp_redis.data.keys import (
+    NAMESPACE_RE,
+    is_marker_key,
+    namespace_pattern,
+    old_schema_patterns,
+    parse_key,
+)
 from umbp_redis.store.settings import DEFAULT_URL, RedisSettings
 from umbp_redis.store.value_format import (
     ChecksumMismatch,
@@ -71,6 +77,11 @@ def register(sub: Any) -> None:
         "--namespace", help="the namespace to delete (exact name: no globs, never empty)"
     )
     which.add_argument("--all", action="store_true", help="every umbp-redis key of every namespace")
+    which.add_argument(
+        "--old-schemas",
+        action="store_true",
+        help="every key of an earlier key-schema version (never read by this version)",
+    )
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(handler=cmd_purge)
 
@@ -129,9 +140,9 @@ def _info(section: str) -> Any:
     return call
 
 
-def _scan(r: Any, namespace: str | None) -> Iterator[bytes]:
+def _scan(r: Any, namespace: str | None, pattern: str | None = None) -> Iterator[bytes]:
     n = 0
-    for key in r.scan_iter(match=namespace_pattern(namespace), count=1000):
+    for key in r.scan_iter(match=pattern or namespace_pattern(namespace), count=1000):
         n += 1
         if n % _PROGRESS_EVERY == 0:
             print(f"... scanned {n} keys", file=sys.stderr, flush=True)
@@ -212,20 +223,38 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """``ls``: namespaces with key counts, then up to ``--limit`` keys."""
     r = _client(args)
     counts: dict[str, int] = defaultdict(int)
+    markers: dict[str, int] = defaultdict(int)
     sample: list[bytes] = []
     for key in _scan(r, args.namespace):
         try:
             counts[parse_key(key).namespace] += 1
         except ValueError:
+            if is_marker_key(key):
+                markers[key.split(b":", 4)[3].decode()] += 1
             continue
         if len(sample) < args.limit:
             sample.append(key)
+    old = 0
+    if args.namespace is None:
+        old = sum(1 for p in old_schema_patterns() for _ in _scan(r, None, p))
     keys = _key_info(r, sample)
+    lines = [
+        f"namespace {ns}: {counts.get(ns, 0)} keys, {markers.get(ns, 0)} stored markers"
+        for ns in sorted(set(counts) | set(markers))
+    ]
+    if old:
+        lines.append(
+            f"{old} keys of an earlier key schema (never read; purge --old-schemas removes them)"
+        )
     _emit(
         args,
-        {"namespaces": dict(counts), "keys": keys},
-        text="\n".join(f"namespace {ns}: {n} keys" for ns, n in sorted(counts.items()))
-        or "no umbp-redis keys",
+        {
+            "namespaces": dict(counts),
+            "stored_markers": dict(markers),
+            "old_schema_keys": old,
+            "keys": keys,
+        },
+        text="\n".join(lines) or "no umbp-redis keys",
     )
     if not args.json and keys:
         print()
@@ -251,6 +280,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def inspect_value(r: Any, key: str) -> dict[str, Any]:
     """Decode and validate the value under ``key`` (used by ``inspect``)."""
     info: dict[str, Any] = {"key": key}
+    if is_marker_key(key):
+        present = bool(r.exists(key))
+        info.update(
+            stored_marker=True,
+            valid=present,
+            ttl_s=r.ttl(key) if present else None,
+            note="a block's stored marker: every rank's value of the block was stored "
+            "(the key lookups read; its values are the tp.../g... keys of the same hash)",
+        )
+        if not present:
+            info["error"] = "no such key"
+        return info
     try:
         d = parse_key(key)
         info["decoded_key"] = {
@@ -399,12 +440,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    """``purge --namespace NS`` or ``purge --all``: UNLINK those keys, 500 per round trip.
+    """``purge --namespace NS``, ``purge --all`` or ``purge --old-schemas``: UNLINK those
+    keys, 500 per round trip.
 
     A namespace must be an exact name (an empty one or a glob would match others);
     both forms ask for confirmation unless ``--yes``; exit 2 on a refused argument.
     """
-    if not args.all and not NAMESPACE_RE.match(args.namespace or ""):
+    if not args.all and not args.old_schemas and not NAMESPACE_RE.match(args.namespace or ""):
         print(
             f"refusing to purge namespace {args.namespace!r}: give an exact namespace "
             "(1-64 letters, digits, '_', '.', '-'; no globs), or --all for every namespace",
@@ -414,7 +456,9 @@ def cmd_purge(args: argparse.Namespace) -> int:
     what = (
         "every umbp-redis key of every namespace"
         if args.all
-        else (f"every key of namespace {args.namespace}")
+        else "every key of an earlier key schema"
+        if args.old_schemas
+        else f"every key of namespace {args.namespace}"
     )
     r = _client(args)
     if not args.yes:
@@ -427,7 +471,9 @@ def cmd_purge(args: argparse.Namespace) -> int:
             print("nothing deleted")
             return 1
     deleted, batch = 0, []
-    for key in _scan(r, None if args.all else args.namespace):
+    patterns = old_schema_patterns() if args.old_schemas else (None,)
+    namespace = None if args.all or args.old_schemas else args.namespace
+    for key in (k for p in patterns for k in _scan(r, namespace, p)):
         batch.append(key)
         if len(batch) >= 500:
             deleted += r.unlink(*batch)
@@ -436,8 +482,15 @@ def cmd_purge(args: argparse.Namespace) -> int:
         deleted += r.unlink(*batch)
     _emit(
         args,
-        {"namespace": None if args.all else args.namespace, "deleted": deleted},
-        text=f"deleted {deleted} keys" + ("" if args.all else f" of namespace {args.namespace}"),
+        {"namespace": namespace, "old_schemas": bool(args.old_schemas), "deleted": deleted},
+        text=f"deleted {deleted} keys"
+        + (
+            f" of namespace {namespace}"
+            if namespace
+            else " of earlier key schemas"
+            if args.old_schemas
+            else ""
+        ),
     )
     return 0
 

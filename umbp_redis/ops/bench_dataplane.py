@@ -5,7 +5,7 @@ Every figure is measured in one run against one server, beside its baselines:
 client), this client without its checksum (the checksum's cost) and, for lookups, a
 redis-py EXISTS pipeline and sequential EXISTS calls.
 
-It writes only keys of its own run (``umbp:vllm:v1:bench-<run>:...`` and
+It writes only keys of its own run (``umbp:vllm:v2:bench-<run>:...`` and
 ``bench:<run>:...``) and deletes only those: it never flushes a database.
 """
 
@@ -197,7 +197,7 @@ def umbp_gbps(plane: RedisDataPlane, size: int, count: int, repeats: int) -> dic
     """This project's store (staging -> Redis) and load (Redis -> staging) GB/s."""
     staging = np.random.default_rng(2).integers(0, 256, (count, size), dtype=np.uint8)
     dest = np.zeros_like(staging)
-    keys = [f"umbp:vllm:v1:{NS}:tp0:pcp0:dcp0:pp0:g0:{size:x}{i:08x}" for i in range(count)]
+    keys = [f"umbp:vllm:v2:{NS}:tp0:pcp0:dcp0:pp0:g0:{size:x}{i:08x}" for i in range(count)]
     store_items = [(k, staging[i]) for i, k in enumerate(keys)]
     load_items = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
 
@@ -226,7 +226,7 @@ def lookup_latency_ms(
 ) -> dict[str, float]:
     """p50 ms of one lookup of ``nkeys`` keys (half present), three ways."""
     r = _redispy_client(settings)
-    keys = [f"umbp:vllm:v1:{NS}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(nkeys)]
+    keys = [f"umbp:vllm:v2:{NS}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(nkeys)]
     p = r.pipeline(transaction=False)
     for k in keys[::2]:
         p.set(k, b"x")
@@ -285,7 +285,7 @@ def memory_overhead(
     r = _redispy_client(settings)
     staging = np.random.default_rng(3).integers(0, 256, (count, size), dtype=np.uint8)
 
-    keys = [f"umbp:vllm:v1:{NS}:tp0:pcp0:dcp0:pp0:g0:m{i:063x}" for i in range(count)]
+    keys = [f"umbp:vllm:v2:{NS}:tp0:pcp0:dcp0:pp0:g0:m{i:063x}" for i in range(count)]
 
     def grow(write: Callable[[], None]) -> float:
         time.sleep(0.2)
@@ -372,7 +372,7 @@ def run_dataplane_bench(
     plane.close()
     plain.close()
     r = _redispy_client(settings)
-    leftover = _own_keys(r, f"umbp:vllm:v1:{NS}:*") + _own_keys(r, f"bench:{RUN}:*")
+    leftover = _own_keys(r, f"umbp:vllm:v2:{NS}:*") + _own_keys(r, f"bench:{RUN}:*")
     _delete(r, leftover)
     r.close()
     return {

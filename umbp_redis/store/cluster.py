@@ -582,6 +582,35 @@ class ClusterDataPlane:
             removed += sum(r for r in replies if isinstance(r, int))
         return removed
 
+    def run_keyed(
+        self, commands: Sequence[tuple[bytes, bytes]], *, timeout: float
+    ) -> list[int] | None:
+        """``RedisDataPlane.run_keyed`` with each command sent to its key's master, one
+        round trip per master, one master after another: the commands of a master that
+        fails read 0 (redirects too). None without a slot map."""
+        m = self._map
+        if m is None:
+            self.refresh_map("keyed commands without a slot map")
+            return None
+        by_node: dict[Address, tuple[list[tuple[bytes, bytes]], list[int]]] = {}
+        for pos, (k, cmd) in enumerate(commands):
+            node = m.node_of(key_slot(k))
+            if node is not None:
+                entry = by_node.setdefault(node, ([], []))
+                entry[0].append((k, cmd))
+                entry[1].append(pos)
+        out = [0] * len(commands)
+        for addr, (cmds, positions) in by_node.items():
+            got = self.node(addr).run_keyed(cmds, timeout=timeout)
+            if got is None:
+                self._node_failed(addr, "keyed commands")
+                continue
+            for p, r in zip(positions, got, strict=True):
+                out[p] = r
+        if sum(len(e[1]) for e in by_node.values()) < len(commands):
+            self.refresh_map("keyed commands of unserved slots")
+        return out
+
     # -- misc -------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:

@@ -46,6 +46,11 @@ def expire_command(k: bytes, ttl: bytes) -> bytes:
     return keyed_head(b"EXPIRE", 3, k, 0) + ttl_tail(ttl)
 
 
+def set_marker_command(k: bytes, ttl: bytes) -> bytes:
+    """``SET k 1 EX ttl``: a block's stored marker (answers ``+OK``)."""
+    return encode_command(b"SET", k, b"1", b"EX", ttl)
+
+
 def touch_command(keys: Sequence[bytes]) -> bytes:
     """``TOUCH key...`` of every key of ``keys``."""
     return b"*%d\r\n$5\r\nTOUCH\r\n%s" % (

@@ -92,6 +92,13 @@ class DataPlane(Protocol):
         seconds, when given)."""
         ...
 
+    def run_keyed(
+        self, commands: Sequence[tuple[bytes, bytes]], *, timeout: float
+    ) -> list[int] | None:
+        """Replies to pre-encoded one-key commands (key, command), in order (``+OK`` reads
+        1, an error 0); None when unknown. Ends within ``timeout`` seconds."""
+        ...
+
     def counters(self) -> dict[str, int]:
         """Counters since the plane was made."""
         ...
@@ -332,6 +339,13 @@ class PendingPlane:
         """The inner plane's delete; 0 while pending."""
         inner = self._inner
         return 0 if inner is None else inner.delete(keys, deadline=deadline)
+
+    def run_keyed(
+        self, commands: Sequence[tuple[bytes, bytes]], *, timeout: float
+    ) -> list[int] | None:
+        """The inner plane's replies; None while pending."""
+        inner = self._inner
+        return None if inner is None else inner.run_keyed(commands, timeout=timeout)
 
     def counters(self) -> dict[str, int]:
         """The inner plane's counters; none while pending."""

@@ -105,6 +105,7 @@ class DataPlaneStats:
     load_missing: int = 0
     load_invalid: int = 0
     load_errors: int = 0
+    upkeep_errors: int = 0
     unexpected_errors: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -379,6 +380,30 @@ class RedisDataPlane:
         then from reply ``counted_from`` on those of ``request_count_encoder``'s blocks;
         None when unknown (as ``lookup_replies``)."""
         return self.lookup_replies(b"".join(blocks), count, counted_from=counted_from)
+
+    def run_keyed(
+        self, commands: Sequence[tuple[bytes, bytes]], *, timeout: float
+    ) -> list[int] | None:
+        """Send pre-encoded one-key commands (key, command) in one round trip and read
+        their replies, in order: an integer as is, ``+OK`` as 1, an error reply as 0;
+        None when the round trip failed or did not end within ``timeout`` seconds
+        (counted as ``upkeep_errors``; never raises)."""
+        if not commands:
+            return []
+        deadline = time.monotonic() + timeout
+        buf = b"".join(c for _, c in commands)
+        try:
+            got = self._int_round_trip(buf, len(commands), ok_replies=True, deadline=deadline)
+        except RedisDataPlaneError as e:
+            self.stats.add(upkeep_errors=1)
+            log.debug("%d keyed commands failed: %s", len(commands), e)
+            return None
+        except Exception as e:  # a bug or a malformed reply: counted, never raised
+            self.stats.add(upkeep_errors=1)
+            self._unexpected("keyed commands", e)
+            return None
+        self._note_refusals([r for r in got if isinstance(r, ErrorReply)], "SET")
+        return [r if isinstance(r, int) else 0 for r in got]
 
     # -- shared round trips ------------------------------------------------------------
 

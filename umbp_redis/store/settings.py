@@ -107,12 +107,14 @@ REDIS_OPTIONS: tuple[Option, ...] = (
         "Redis server for the cores and the GIL.",
         minimum=1,
     ),
-    Option("ttl_seconds", int, 86400, "TTL of every stored object.", minimum=1),
+    Option("ttl_seconds", int, 86400, "TTL of every stored value and stored marker.", minimum=1),
     Option(
         "refresh_ttl_on_lookup",
         bool,
         True,
-        "A lookup hit re-arms the object's TTL (in the same round trip).",
+        "A lookup hit re-arms the block's TTL: its stored marker in the same round trip, "
+        "its values on the scheduler's marker thread (at most once a minute per block); "
+        "false: TOUCH (LRU clock) instead.",
     ),
     Option(
         "checksum",
