@@ -15,6 +15,7 @@ rank's value and the block's stored marker), at TP=1 and TP=8. In one run, for e
 Also with ``refresh_ttl_on_lookup: false`` (``TOUCH``). Prints p50 ms, ratios against
 the floor and TP=8 against TP=1. Usage: .venv/bin/python benchmarks/lookup_keys_bench.py
 """
+
 from __future__ import annotations
 
 import socket

@@ -181,7 +181,7 @@ def check_stored_markers(plane: Any, client: Any, ttl: int = 100) -> None:
     """The stored-marker job against a real data plane (``client``: a redis-py client of
     the same server or cluster): markers written once both ranks reported, not for a
     block whose rank key failed, with the TTL; a found prefix's values refreshed to the
-    TTL; a block whose rank value is gone loses its marker."""
+    TTL once due; a block whose rank value is gone loses its marker."""
     from umbp_redis.data import BlockIdentityCodec, RankTopology
     from umbp_redis.engine.block_markers import StoredMarkers
 
@@ -203,6 +203,10 @@ def check_stored_markers(plane: Any, client: Any, ttl: int = 100) -> None:
     assert [client.exists(marker(i)) for i in range(40)] == [int(i != 3) for i in range(40)]
     assert ttl - 10 < client.ttl(marker(0)) <= ttl
     client.delete(codec.rank_keys(hashes[5], 0)[0])  # evicted, say
+    # Values the writer just marked were stored with the TTL: no refresh is due yet.
+    markers.note_found(codec, 10, lambda b: hashes[b], [0], lambda b, pos: b != 3)
+    assert markers.flush(10) and client.ttl(codec.rank_keys(hashes[0], 0)[1]) <= 5
+    markers.refresh_interval_s = 0.0  # as if the interval had passed
     markers.note_found(codec, 10, lambda b: hashes[b], [0], lambda b, pos: b != 3)
     assert markers.flush(10)
     assert client.ttl(codec.rank_keys(hashes[0], 0)[1]) > ttl - 10  # refreshed from 5 s

@@ -7,10 +7,10 @@ markers alone, so their cost does not grow with TP, PP, PCP or DCP.
 
 Markers and values live and die apart, so this job also keeps them in step:
 
-- blocks a lookup found get their values' TTL (or LRU clock) refreshed too, at most once
-  per ``refresh_interval_s`` per block; a refresh that finds a rank value gone (expired,
-  evicted, deleted) deletes the block's marker, so other engines miss instead of failing
-  a load;
+- blocks a lookup found get their values' TTL (or LRU clock) refreshed too, about once
+  per ``refresh_interval_s`` per block (see ``_refresh_commands``); a refresh that finds
+  a rank value gone (expired, evicted, deleted) deletes the block's marker, so other
+  engines miss instead of failing a load;
 - blocks whose value a worker found invalid and deleted lose their marker.
 
 Every write runs on a thread of its own, batched, bounded in time (``timeout_s``) and in
@@ -252,18 +252,25 @@ class StoredMarkers:
                     self._cond.notify_all()
 
     def _refresh_commands(self, job: _FoundBlocks) -> list[_Queued]:
-        """The value refreshes a lookup's found blocks are due."""
+        """The value refreshes a lookup's found blocks are due.
+
+        Blocks are taken from the prefix's end back, and the walk stops at the first
+        block refreshed within the interval: a refresh covers a whole found prefix (a
+        block hash names its prefix chain), so the blocks before it were refreshed at
+        most an interval before it. A prefix asked for again costs a few dict lookups."""
         now = self._clock()
         out = []
-        for b in range(job.n_blocks):
+        for b in range(job.n_blocks - 1, -1, -1):
             h = job.hash_of(b)
             if h is None:
-                break
+                continue
+            fresh = False
             for pos, g in enumerate(job.groups):
                 if not job.present(b, pos):
                     continue
                 seen = self._refreshed.get((h, g))
                 if seen is not None and now - seen < self.refresh_interval_s:
+                    fresh = True
                     continue
                 self._refreshed[(h, g)] = now
                 self._refreshed.move_to_end((h, g))
@@ -274,6 +281,8 @@ class StoredMarkers:
                         expire_command(key, self._ttl) if self.refresh_ttl else touch_command([key])
                     )
                     out.append(_Queued(_REFRESH, key, cmd, (h, g), job.codec))
+            if fresh:
+                break
         while len(self._refreshed) > MAX_TRACKED:
             self._refreshed.popitem(last=False)
         return out
@@ -285,10 +294,14 @@ class StoredMarkers:
             self.failed += len(batch)
             return
         stale: dict[tuple[bytes, int], BlockIdentityCodec] = {}
+        now = self._clock()
         for q, r in zip(batch, replies, strict=True):
             if q.kind == _MARK:
                 if r == 1:
                     self.written += 1
+                    # Its values were just stored with the TTL: no refresh due yet.
+                    self._refreshed[q.block] = now
+                    self._refreshed.move_to_end(q.block)
                 else:
                     self.failed += 1
             elif q.kind == _REFRESH:

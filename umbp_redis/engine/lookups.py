@@ -143,8 +143,13 @@ class PrefixLookup:
 
         plans = self.group_plans
         if self.on_found is not None or self.admit_after > 1:
-            # The leading blocks Redis holds, the engine's own included.
-            found = plans.full_prefix_end(0, n_blocks, in_redis)
+            # The leading blocks Redis holds, the engine's own included (one marker a
+            # block answers 0 or 1: the first 0, found at C speed).
+            if replies_per_block == 1 and plans.all_full:
+                head = replies[:n_blocks]
+                found = head.index(0) if 0 in head else n_blocks
+            else:
+                found = plans.full_prefix_end(0, n_blocks, in_redis)
             st.redis_prefix_blocks = found
             if self.on_found is not None and found:
                 self.on_found(
