@@ -1394,6 +1394,8 @@ def test_found_values_are_refreshed_at_most_once_an_interval_and_invalid_ones_un
 ) -> None:
     plane = ScriptedDataPlane()
     s = make_scheduler(model_config, plane, tp=2)
+    assert s.markers.refresh_interval_s == 1.0  # Redis' LRU clock counts seconds
+    s.markers.refresh_interval_s = 3600.0  # no test step takes that long
     req = request(2 * BS + 40)
     assert s.codec is not None
     plane.present = {k for h in req.block_hashes for k in s.codec.rank_keys(h, 0)}

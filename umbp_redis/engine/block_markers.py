@@ -44,8 +44,9 @@ BATCH = 4096
 # Store events waiting for their workers' reports at most (the oldest are forgotten),
 # and blocks whose last value refresh is remembered at most.
 MAX_TRACKED = 1 << 16
-# The longest gap between two refreshes of a found block's values.
-MAX_REFRESH_INTERVAL_S = 60.0
+# The longest gap between two refreshes of a found block's values: Redis' LRU clock
+# counts seconds, so a prefix found every second stays as recent as its marker.
+MAX_REFRESH_INTERVAL_S = 1.0
 
 # What a queued command does, for its reply.
 _MARK, _REFRESH, _UNMARK = 0, 1, 2

@@ -113,7 +113,7 @@ REDIS_OPTIONS: tuple[Option, ...] = (
         bool,
         True,
         "A lookup hit re-arms the block's TTL: its stored marker in the same round trip, "
-        "its values on the scheduler's marker thread (at most once a minute per block); "
+        "its values on the scheduler's marker thread (at most once a second per block); "
         "false: TOUCH (LRU clock) instead.",
     ),
     Option(
