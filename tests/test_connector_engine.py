@@ -312,9 +312,11 @@ def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict)
     warm tokens equal cold ones; prompts extended past what Redis holds, answered with
     one token (they end in the step of their sync load), still store their new blocks,
     so the same prompts hit them all next; a rank's values deleted under their markers
-    fail the loads into recomputes, and the blocks are stored again."""
+    fail the loads into recomputes, and the blocks are stored again; an LRU Redis too
+    small for the blocks evicts values and markers apart, and tokens stay equal."""
     extra = sample_prompts(len(PROMPTS), 200, seed=9)
     longer = [p + " " + e for p, e in zip(PROMPTS, extra, strict=True)]
+    churn = sample_prompts(4, 400, seed=21)
     with EmbeddedRedis() as srv:
         url = srv.url
         phases = [
@@ -331,10 +333,21 @@ def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict)
             {"op": "reset"},
             {"op": "generate", "name": "repaired"},
             {"op": "count_keys", "url": url, "pattern": "umbp:vllm:v2:*:tp1:*", "name": "tp1_end"},
+            # An LRU Redis with room for about 10 rank values (5 blocks at TP=2): the
+            # prompts' 6 blocks, then others', evict values and markers in any mix.
+            {"op": "limit_memory", "url": url, "objects": 10, "object_bytes": 65536},
+            {"op": "reset"},
+            {"op": "generate", "name": "lru_first"},
+            {"op": "reset"},
+            {"op": "generate", "name": "lru_churn", "prompts": churn},
+            {"op": "evicted", "url": url, "name": "evicted"},
+            {"op": "reset"},
+            {"op": "generate", "name": "lru_warm"},
         ]
         res = run_engine(work, "tp2", tiny_model, connector(url, load_async=False), phases, tp=2)
-    for phase in ("cold", "warm", "one_rank_missing", "repaired"):
+    for phase in ("cold", "warm", "one_rank_missing", "repaired", "lru_first", "lru_warm"):
         assert tokens(res[phase]) == tokens(baseline), phase
+    assert res["evicted"] > 0
     for o in res["warm"]["outputs"]:
         assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
     for o, short in zip(res["longer"]["outputs"], res["warm"]["outputs"], strict=True):
@@ -346,14 +359,13 @@ def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict)
     # Every block has a key per TP rank: the 2 shared blocks, then each prompt's own.
     blocks = sum(full_blocks(o["prompt_tokens"]) - 2 for o in res["longer"]["outputs"])
     assert res["tp1"] == 2 + blocks
-    # The blocks' stored markers stayed, so the lookup offered them, and tp1's loads
-    # failed: vLLM recomputed them (equal tokens above) and the engine stored them
-    # again, every rank's value (a pass returns with its last stores possibly still in
-    # flight: counted after the next one), and the next pass loads them all.
+    # The blocks' stored markers stayed, so the lookup offered them although tp1's
+    # values were gone: tp1's loads failed and vLLM recomputed them (equal tokens
+    # above), and the engine stored them again, every rank's value (a pass returns
+    # with its last stores possibly in flight: counted after the next one).
+    assert res["one_rank_missing"]["outputs"][0]["cached"] == 3 * BLOCK
     short = sum(full_blocks(o["prompt_tokens"]) - 2 for o in res["warm"]["outputs"])
     assert res["tp1_end"] == 2 + short
-    for o in res["repaired"]["outputs"]:
-        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
 
 
 def test_preemption_under_a_small_kv_cache(work: Path, tiny_model: Path) -> None:

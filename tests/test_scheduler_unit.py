@@ -1411,3 +1411,24 @@ def test_found_values_are_refreshed_at_most_once_an_interval_and_invalid_ones_un
     _report(s, {}, removed_blocks=(req.block_hashes[0],))
     assert s.markers.flush(5)
     assert plane.markers == set(marker_keys(s, req.block_hashes[1:2]))
+
+
+def test_a_marker_written_after_its_value_was_found_gone_is_kept(
+    model_config: ModelConfig,
+) -> None:
+    """A refresh finds a value gone; before its marker's deletion goes out, the engine
+    stored the block again and marked it: the new marker is right and stays. A block
+    found gone after its last marker loses the marker."""
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
+    assert s.codec is not None
+    h = bytes([7]) * 32
+    (marker,) = marker_keys(s, [h])
+    found_gone = s.markers._unmark({(h, 0): s.codec})  # the refresh's answer, now
+    s.markers.track(1, [h], [0])
+    s.markers.note_store_report(s.codec, 1, 1, frozenset())  # stored again, marked
+    assert s.markers.flush(5) and plane.markers == {marker}
+    s.markers._enqueue(found_gone)
+    assert s.markers.flush(5) and plane.markers == {marker}
+    s.markers._enqueue(s.markers._unmark({(h, 0): s.codec}))  # gone after the marker
+    assert s.markers.flush(5) and plane.markers == set()

@@ -427,10 +427,12 @@ def test_a_value_of_another_block_is_never_loaded_and_only_invalid_values_are_re
     assert meta is not None and meta.failed_loads == (H3,) and meta.failed_requests == ("r2",)
     assert meta.removed_blocks == (H2,)  # for KV cache events: Redis no longer holds it
     assert dst.build_worker_meta() is None
-    # A missing value is not a failure of an object: nothing to quarantine.
+    # A missing value is not a failure of an object: nothing to quarantine; it is
+    # reported removed (its stored marker goes: other engines miss instead of failing).
     step(dst, UMBPConnectorMetadata(loads=[BlockLoadBatch("r3", (H4,), (11,), (0,))]))
     assert wait_loaded(dst, "r3") == {11}
-    assert dst.build_worker_meta() is None
+    meta = dst.build_worker_meta()
+    assert meta is not None and meta.removed_blocks == (H4,) and meta.failed_loads == ()
     # The engine recomputes H3 and stores it again: the same WRONGTYPE, still failed.
     # Once the foreign key is gone the store succeeds and H3 is reported repaired.
     for event_id in (5, 6):

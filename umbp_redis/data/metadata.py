@@ -63,7 +63,8 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     ``failed_requests``: requests one of whose loads failed that way: they are offered
     no more Redis hits (vLLM asks again after a failed load at the prompt's start; the
     same failing value must not be loaded over and over).
-    ``removed_blocks``: blocks whose value a worker found invalid and deleted.
+    ``removed_blocks``: blocks whose value a worker found missing, or invalid and
+    deleted: the scheduler deletes their stored markers and announces them removed.
     ``sync_failed_requests``: requests a block of whose sync load did not load. vLLM
     cached the load's blocks, and those the step computed after them, before the load
     ran; the scheduler takes them out of vLLM's prefix cache.

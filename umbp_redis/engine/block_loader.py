@@ -205,7 +205,13 @@ class BlockLoader:
     ) -> None:
         """Remove invalid values from Redis and owe the scheduler the values that would
         fail again: error replies (the value stays) and invalid values that could not
-        be removed. A removed one is a miss until stored again."""
+        be removed. A removed one is a miss until stored again. Missing values are
+        reported too: the scheduler deletes their blocks' stored markers."""
+        missing = [
+            p.block_hash for p, st in zip(plans, statuses, strict=True) if st is LoadStatus.MISSING
+        ]
+        if missing:
+            self.ledger.values_removed(missing)
         invalid = [p for p, st in zip(plans, statuses, strict=True) if st is LoadStatus.INVALID]
         removed = 0
         if invalid:

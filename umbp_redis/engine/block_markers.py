@@ -11,7 +11,8 @@ Markers and values live and die apart, so this job also keeps them in step:
   per ``refresh_interval_s`` per block (see ``_refresh_commands``); a refresh that finds
   a rank value gone (expired, evicted, deleted) deletes the block's marker, so other
   engines miss instead of failing a load;
-- blocks whose value a worker found invalid and deleted lose their marker.
+- blocks whose value a worker's load found missing, or invalid (and deleted), lose
+  their marker.
 
 Every write runs on a thread of its own, batched, bounded in time (``timeout_s``) and in
 memory (``MAX_QUEUED`` commands; more are dropped and counted). The scheduler never
@@ -70,6 +71,8 @@ class _Queued:
     command: bytes
     block: tuple[bytes, int]
     codec: BlockIdentityCodec
+    # A deletion: when the value was found gone; a marker written since is kept.
+    since: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class StoredMarkers:
         self._clock = clock
         self._events: OrderedDict[int, _PendingEvent] = OrderedDict()
         self._refreshed: OrderedDict[tuple[bytes, int], float] = OrderedDict()
+        # (block hash, group) -> when its marker was last written.
+        self._marked_at: OrderedDict[tuple[bytes, int], float] = OrderedDict()
         self._queue: deque[_Queued] = deque()
         self._found: deque[_FoundBlocks] = deque()
         self._cond = threading.Condition()
@@ -178,15 +183,9 @@ class StoredMarkers:
     def note_removed(
         self, codec: BlockIdentityCodec, hashes: Sequence[bytes], groups: Sequence[int]
     ) -> None:
-        """Delete the markers of blocks whose value a worker found invalid and deleted."""
-        self._enqueue(
-            [
-                _Queued(_UNMARK, key, encode_command(b"UNLINK", key), (h, g), codec)
-                for h in hashes
-                for g in groups
-                for key in [(codec.marker_prefix(g) + h.hex()).encode()]
-            ]
-        )
+        """Delete the markers of blocks whose value a worker found missing, or invalid
+        and deleted."""
+        self._enqueue(self._unmark({(h, g): codec for h in hashes for g in groups}))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every queued command to be sent; whether it was."""
@@ -288,21 +287,43 @@ class StoredMarkers:
             self._refreshed.popitem(last=False)
         return out
 
+    def _unmark(self, blocks: dict[tuple[bytes, int], BlockIdentityCodec]) -> list[_Queued]:
+        """Deletions of the markers of ``blocks`` ((hash, group) -> codec), found stale now."""
+        now = self._clock()
+        return [
+            _Queued(_UNMARK, key, encode_command(b"UNLINK", key), blk, codec, now)
+            for blk, codec in blocks.items()
+            for key in [(codec.marker_prefix(blk[1]) + blk[0].hex()).encode()]
+        ]
+
     def _send(self, batch: list[_Queued]) -> None:
-        """One round trip of ``batch``; its replies counted, stale markers queued."""
+        """One round trip of ``batch``; its replies counted, stale markers queued.
+
+        A deletion is dropped when the block was marked again since its value was found
+        gone (stored again meanwhile: the new marker is right)."""
+        marked_here = {q.block for q in batch if q.kind == _MARK}
+        batch = [
+            q
+            for q in batch
+            if q.kind != _UNMARK
+            or (q.block not in marked_here and self._marked_at.get(q.block, -1.0) < q.since)
+        ]
+        if not batch:
+            return
+        sent_at = self._clock()
         replies = self.plane.run_keyed([(q.key, q.command) for q in batch], timeout=self.timeout_s)
         if replies is None:
             self.failed += len(batch)
             return
         stale: dict[tuple[bytes, int], BlockIdentityCodec] = {}
-        now = self._clock()
         for q, r in zip(batch, replies, strict=True):
             if q.kind == _MARK:
                 if r == 1:
                     self.written += 1
                     # Its values were just stored with the TTL: no refresh due yet.
-                    self._refreshed[q.block] = now
-                    self._refreshed.move_to_end(q.block)
+                    for seen in (self._refreshed, self._marked_at):
+                        seen[q.block] = sent_at
+                        seen.move_to_end(q.block)
                 else:
                     self.failed += 1
             elif q.kind == _REFRESH:
@@ -313,11 +334,7 @@ class StoredMarkers:
                     self._refreshed.pop(q.block, None)
             elif r == 1:
                 self.stale += 1
+        while len(self._marked_at) > MAX_TRACKED:
+            self._marked_at.popitem(last=False)
         if stale:
-            self._enqueue(
-                [
-                    _Queued(_UNMARK, key, encode_command(b"UNLINK", key), blk, codec)
-                    for blk, codec in stale.items()
-                    for key in [(codec.marker_prefix(blk[1]) + blk[0].hex()).encode()]
-                ]
-            )
+            self._enqueue(self._unmark(stale))

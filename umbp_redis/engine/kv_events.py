@@ -2,8 +2,9 @@
 
 Active only with vLLM's ``--kv-events-config``. A store event's blocks are announced
 (``BlockStored``) once every worker reported the event and none failed; values found
-invalid and deleted are announced removed (``BlockRemoved``). Both carry the medium
-``REDIS``. A block stored again within ``ANNOUNCE_WINDOW_S`` is not announced again.
+missing, or invalid and deleted, are announced removed (``BlockRemoved``). Both carry
+the medium ``REDIS``. A block stored again within ``ANNOUNCE_WINDOW_S`` is not
+announced again.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class StoredBlockEvents:
             )
 
     def note_removed(self, hashes: Sequence[bytes], groups: Sequence[int]) -> None:
-        """Announce blocks whose values were found invalid and deleted; a block stored
-        again afterwards is announced again."""
+        """Announce blocks whose values were found missing, or invalid and deleted; a
+        block stored again afterwards is announced again."""
         if not hashes:
             return
         for h in hashes:

@@ -450,7 +450,8 @@ class UMBPScheduler:
 
     def take_events(self) -> list[Any]:
         """KV cache events since the last call: BlockStored for blocks every worker stored
-        in Redis, BlockRemoved for values found invalid and deleted (medium REDIS)."""
+        in Redis, BlockRemoved for values found missing, or invalid and deleted (medium
+        REDIS)."""
         return self.events.take() if self.events is not None else []
 
     @guarded_hook(lambda self, connector_output: None)

@@ -76,7 +76,8 @@ class WorkerLedger:
             _remember(self._recent_failed, block_hashes)
 
     def values_removed(self, block_hashes: list[bytes]) -> None:
-        """Invalid values deleted from Redis (announced as removed)."""
+        """Values not in Redis: found missing, or invalid and deleted (announced as
+        removed; their stored markers are deleted)."""
         with self._lock:
             _remember(self._removed, block_hashes)
 
