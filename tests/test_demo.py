@@ -42,7 +42,8 @@ def test_demo_runs_cold_then_warm(tiny_model: Path) -> None:
     prompt_tokens = [int(x) for x in _row(out, "prompt tokens").split(", ")]
     hits = [int(x) for x in _row(out, "tokens hit in Redis (warm)").split(", ")]
     assert hits == [(n - 1) // 128 * 128 for n in prompt_tokens]
-    assert int(_row(out, "keys stored")) == sum((n - 1) // 128 for n in prompt_tokens)
+    blocks = sum((n - 1) // 128 for n in prompt_tokens)
+    assert int(_row(out, "values stored")) == int(_row(out, "stored markers")) == blocks
     assert float(_row(out, "time to first token, warm (s)")) > 0
 
 

@@ -175,7 +175,7 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
 
     import redis
 
-    from umbp_redis.data.keys import namespace_pattern
+    from umbp_redis.data.keys import is_marker_key, namespace_pattern
     from umbp_redis.ops.admin import payload_sizes
     from umbp_redis.ops.tiny_model import build_tiny_llama, sample_prompts
 
@@ -219,7 +219,9 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
                 return 1
             results[phase] = json.loads(Path(f"{tmp}/{phase}.json").read_text())
     r = redis.Redis.from_url(url)
-    keys = list(r.scan_iter(match=namespace_pattern(), count=1000))
+    found = list(r.scan_iter(match=namespace_pattern(), count=1000))
+    markers = [k for k in found if is_marker_key(k)]
+    keys = [k for k in found if not is_marker_key(k)]
     stored_bytes = sum(n or 0 for n in payload_sizes(r, keys))
     cold, warm = results["cold"], results["warm"]
     equal = cold["outputs"] == warm["outputs"]
@@ -230,7 +232,8 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
         ("tokens hit in Redis (warm)", ", ".join(map(str, warm["redis_hit_tokens"]))),
         ("time to first token, cold (s)", f"{cold['ttft_s']:.3f}"),
         ("time to first token, warm (s)", f"{warm['ttft_s']:.3f}"),
-        ("keys stored", str(len(keys))),
+        ("values stored", str(len(keys))),
+        ("stored markers", str(len(markers))),
         ("bytes stored", f"{stored_bytes:,}"),
         ("outputs equal (cold vs warm)", "yes" if equal else "NO"),
     ]
