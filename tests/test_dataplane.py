@@ -126,6 +126,21 @@ def test_stored_markers_are_written_refreshed_and_removed_on_a_server(
     r.close()
 
 
+def test_keyed_commands_read_an_error_reply_as_unknown(
+    plane: RedisDataPlane, redis_url: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    r.hset("umbp:vllm:v2:keyed:h", "f", b"x")
+    cmds = [
+        (b"umbp:vllm:v2:keyed:h", resp.encode_command(b"INCR", b"umbp:vllm:v2:keyed:h")),
+        (b"umbp:vllm:v2:keyed:s", resp.encode_command(b"SET", b"umbp:vllm:v2:keyed:s", b"1")),
+        (b"umbp:vllm:v2:keyed:n", resp.encode_command(b"EXPIRE", b"umbp:vllm:v2:keyed:n", b"9")),
+    ]
+    # WRONGTYPE says nothing about the key's presence: -1, not the 0 of an absent key.
+    assert plane.run_keyed(cmds, timeout=2.0) == [-1, 1, 0]
+    r.close()
+
+
 def test_keyed_commands_to_no_server_end_within_their_timeout() -> None:
     d = make_plane(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.2)
     t0 = time.monotonic()

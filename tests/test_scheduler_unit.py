@@ -1432,3 +1432,26 @@ def test_a_marker_written_after_its_value_was_found_gone_is_kept(
     assert s.markers.flush(5) and plane.markers == {marker}
     s.markers._enqueue(s.markers._unmark({(h, 0): s.codec}))  # gone after the marker
     assert s.markers.flush(5) and plane.markers == set()
+
+
+def test_a_refresh_with_an_unknown_answer_keeps_the_marker(model_config: ModelConfig) -> None:
+    """A refresh answered by an error reply or a failed node (-1) proves nothing gone."""
+
+    class Unknowing(ScriptedDataPlane):
+        def run_keyed(self, commands: list[tuple[bytes, bytes]], *, timeout: float) -> list[int]:
+            out = super().run_keyed(commands, timeout=timeout) or []
+            return [
+                -1 if c[1].startswith(b"*3\r\n$6\r\nEXPIRE") else r
+                for c, r in zip(commands, out, strict=True)
+            ]
+
+    plane = Unknowing()
+    s = make_scheduler(model_config, plane)
+    s.markers.refresh_interval_s = 0.0
+    req = request(2 * BS + 40)
+    plane.markers = set(marker_keys(s, req.block_hashes[:2]))
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    assert s.markers.flush(5)
+    assert plane.markers == set(marker_keys(s, req.block_hashes[:2]))
+    stats = s.take_stats()
+    assert stats["marker_failures"] == 2 and stats.get("stale_markers_removed", 0) == 0

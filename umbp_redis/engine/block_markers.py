@@ -329,11 +329,16 @@ class StoredMarkers:
             elif q.kind == _REFRESH:
                 if r == 1:
                     self.refreshed += 1
-                else:  # a rank value is gone: the marker would promise a failing load
+                elif r == 0:  # a rank value is gone: the marker would promise a failing load
                     stale[q.block] = q.codec
+                    self._refreshed.pop(q.block, None)
+                else:  # unknown (an error reply, a failed node): nothing is concluded
+                    self.failed += 1
                     self._refreshed.pop(q.block, None)
             elif r == 1:
                 self.stale += 1
+            elif r < 0:
+                self.failed += 1
         while len(self._marked_at) > MAX_TRACKED:
             self._marked_at.popitem(last=False)
         if stale:

@@ -587,7 +587,7 @@ class ClusterDataPlane:
     ) -> list[int] | None:
         """``RedisDataPlane.run_keyed`` with each command sent to its key's master, one
         round trip per master, one master after another: the commands of a master that
-        fails read 0 (redirects too). None without a slot map."""
+        fails, or of a slot no master serves, read -1 (unknown). None without a slot map."""
         m = self._map
         if m is None:
             self.refresh_map("keyed commands without a slot map")
@@ -599,7 +599,7 @@ class ClusterDataPlane:
                 entry = by_node.setdefault(node, ([], []))
                 entry[0].append((k, cmd))
                 entry[1].append(pos)
-        out = [0] * len(commands)
+        out = [-1] * len(commands)
         for addr, (cmds, positions) in by_node.items():
             got = self.node(addr).run_keyed(cmds, timeout=timeout)
             if got is None:

@@ -96,7 +96,7 @@ class DataPlane(Protocol):
         self, commands: Sequence[tuple[bytes, bytes]], *, timeout: float
     ) -> list[int] | None:
         """Replies to pre-encoded one-key commands (key, command), in order (``+OK`` reads
-        1, an error 0); None when unknown. Ends within ``timeout`` seconds."""
+        1, an error or a failed node -1); None when unknown. Ends within ``timeout``."""
         ...
 
     def counters(self) -> dict[str, int]:

@@ -385,9 +385,9 @@ class RedisDataPlane:
         self, commands: Sequence[tuple[bytes, bytes]], *, timeout: float
     ) -> list[int] | None:
         """Send pre-encoded one-key commands (key, command) in one round trip and read
-        their replies, in order: an integer as is, ``+OK`` as 1, an error reply as 0;
-        None when the round trip failed or did not end within ``timeout`` seconds
-        (counted as ``upkeep_errors``; never raises)."""
+        their replies, in order: an integer as is, ``+OK`` as 1, an error reply (a
+        redirect, a refusal) as -1, unknown; None when the round trip failed or did not
+        end within ``timeout`` seconds (counted as ``upkeep_errors``; never raises)."""
         if not commands:
             return []
         deadline = time.monotonic() + timeout
@@ -403,7 +403,7 @@ class RedisDataPlane:
             self._unexpected("keyed commands", e)
             return None
         self._note_refusals([r for r in got if isinstance(r, ErrorReply)], "SET")
-        return [r if isinstance(r, int) else 0 for r in got]
+        return [r if isinstance(r, int) else -1 for r in got]
 
     # -- shared round trips ------------------------------------------------------------
 
