@@ -194,21 +194,26 @@ def test_cold_then_warm_on_a_cluster_with_a_master_killed_mid_run(
             {"op": "sleep", "seconds": 6},  # node timeout + election + a map refresh
             {"op": "reset"},
             {"op": "generate", "name": "after_failover"},
+            {"op": "reset"},
+            {"op": "generate", "name": "after_repair"},
         ]
         res = run_engine(work, "cluster", tiny_model, connector(cl.url), phases)
         masters_after = cl.current_masters()
     expected = tokens(baseline)
-    for phase in ("cold", "warm", "master_down", "after_failover"):
+    for phase in ("cold", "warm", "master_down", "after_failover", "after_repair"):
         assert tokens(res[phase]) == expected, phase
     assert sum(res["keys"]) == 2 + len(PROMPTS)  # every block once, on its slot's master
     assert sum(1 for n in res["keys"] if n) >= 2
     for o in res["warm"]["outputs"]:
         assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
     # After the failover the promoted replica serves the victim's slots (with what was
-    # replicated), the other masters theirs: every block is a hit again.
+    # replicated), the other masters theirs: hits again. A block whose stored marker
+    # lives on a live master while a value was on the dead one failed its load while
+    # the master was down and is quarantined on this engine until it is stored again
+    # (recomputed once), so the hits come back over the next passes.
     assert len(masters_after) == 3 and victim not in masters_after
-    for o in res["after_failover"]["outputs"]:
-        assert o["cached"] == full_blocks(o["prompt_tokens"]) * BLOCK
+    hits = [sum(o["cached"] for o in res[p]["outputs"]) for p in ("after_failover", "after_repair")]
+    assert 0 < hits[0] <= hits[1]
     log = (work / "cluster.log").read_text()
     assert "Traceback" not in log
 
