@@ -128,12 +128,14 @@ class HostFirewall:
     SWITCH = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
 
     def __init__(self) -> None:
-        saved = subprocess.run(["iptables-save"], capture_output=True, text=True)
-        self.rules = saved.stdout if saved.returncode == 0 else None
+        self.rules: str | None = None
+        if shutil.which("iptables-save") is not None:  # no tool, no rules to put back
+            saved = subprocess.run(["iptables-save"], capture_output=True, text=True)
+            self.rules = saved.stdout if saved.returncode == 0 else None
         self.switch = self.SWITCH.read_text().strip() if self.SWITCH.exists() else "0"
 
     def restore(self) -> None:
-        if self.rules is not None:
+        if self.rules is not None and shutil.which("iptables-restore") is not None:
             subprocess.run(["iptables-restore"], input=self.rules, text=True, check=False)
         if self.SWITCH.exists():
             self.SWITCH.write_text(self.switch + "\n")
