@@ -60,6 +60,10 @@ class BlockIdentityCodec:
             raise ValueError(f"group_id must be a non-negative int, got {group_id!r}")
         return f"{KEY_PREFIX}:{self.namespace}:stored:g{group_id}:"
 
+    def marker_key(self, block_hash: bytes, group_id: int) -> bytes:
+        """The stored marker of ``block_hash`` in ``group_id``, as bytes for Redis."""
+        return (self.marker_prefix(group_id) + bytes(block_hash).hex()).encode()
+
     @property
     def request_count_prefix(self) -> str:
         """``umbp:vllm:v2:{namespace}:asked:``: with a block's hash hex, the key counting

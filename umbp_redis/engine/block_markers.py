@@ -157,7 +157,7 @@ class StoredMarkers:
         for h, g in info.blocks:
             if (g, h.hex()) in info.failed:
                 continue
-            key = (codec.marker_prefix(g) + h.hex()).encode()
+            key = codec.marker_key(h, g)
             out.append(_Queued(_MARK, key, set_marker_command(key, self._ttl), (h, g), codec))
         self._enqueue(out)
 
@@ -293,7 +293,7 @@ class StoredMarkers:
         return [
             _Queued(_UNMARK, key, encode_command(b"UNLINK", key), blk, codec, now)
             for blk, codec in blocks.items()
-            for key in [(codec.marker_prefix(blk[1]) + blk[0].hex()).encode()]
+            for key in [codec.marker_key(*blk)]
         ]
 
     def _send(self, batch: list[_Queued]) -> None:
