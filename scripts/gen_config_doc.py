@@ -89,7 +89,10 @@ def _default(o) -> str:  # type: ignore[no-untyped-def]
 
 
 # Links to other pages, added to an option's description on this page only.
-DOC_LINKS = {"store_mode": " See [Store modes](operations.md#store-modes)."}
+DOC_LINKS = {
+    "store_mode": " See [Store modes](operations.md#store-modes).",
+    "decline_slow_loads": " See [Load or compute](operations.md#load-or-compute).",
+}
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

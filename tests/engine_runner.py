@@ -9,7 +9,9 @@ Phases: ``generate`` (greedy), ``reset`` (drop vLLM's local prefix cache), ``cor
 the server a small LRU cache), ``evicted``, ``shutdown_redis`` and ``start_redis`` (a
 private server on a given port), ``kill_pid`` (SIGKILL a Redis node), ``sleep`` and
 ``node_keys`` (stored keys per node), ``load_totals`` (the worker's load counters),
-``abort_after_one_step`` (a request aborted after one engine step).
+``abort_after_one_step`` (a request aborted after one engine step),
+``scheduler_counters`` (the in-process scheduler's counters and load-or-compute
+estimates).
 """
 
 from __future__ import annotations
@@ -248,6 +250,16 @@ def main(spec_path: str) -> None:
 
             worker = cast(Any, get_kv_transfer_group())._worker
             results[phase["name"]] = worker.plane.counters()
+        elif op == "scheduler_counters":  # the in-process scheduler's counters and
+            # its load-or-compute estimates for a hit of `blocks` blocks
+            core = llm.llm_engine.engine_core.engine_core
+            sched = core.scheduler.connector._scheduler
+            blocks = phase.get("blocks", 3)
+            results[phase["name"]] = {
+                **sched._counter_totals(),
+                "expected_load_s": sched.benefit.expected_load_s(blocks),
+                "expected_compute_s": sched.benefit.expected_compute_s(blocks * sched.block_size),
+            }
         elif op == "kill_pid":  # a crash of a Redis node (SIGKILL)
             import signal
 

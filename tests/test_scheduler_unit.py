@@ -1455,3 +1455,67 @@ def test_a_refresh_with_an_unknown_answer_keeps_the_marker(model_config: ModelCo
     assert plane.markers == set(marker_keys(s, req.block_hashes[:2]))
     stats = s.take_stats()
     assert stats["marker_failures"] == 2 and stats.get("stale_markers_removed", 0) == 0
+
+
+def _teach_rates(
+    s: UMBPScheduler, clock: list[float], *, load_s_per_block: float, s_per_token: float
+) -> None:
+    """Workers report loads at ``load_s_per_block``; steps of the engine compute at
+    ``s_per_token`` (through the hooks vLLM calls, on a scripted clock)."""
+    from umbp_redis.data import UMBPConnectorWorkerMetadata
+
+    per_block = s.load_policy.bytes_per_block
+    times = tuple((n * per_block, 0.001 + n * load_s_per_block) for n in (1, 2, 4, 8))
+    s.update_connector_output(
+        SimpleNamespace(  # type: ignore[arg-type]
+            finished_recving=None,
+            kv_connector_worker_meta=UMBPConnectorWorkerMetadata(load_times=times),
+        )
+    )
+    for tokens in (64, 256, 512, 1024, 2048, 128, 768, 1536, 4096, 32):
+        step = _step()
+        step.total_num_scheduled_tokens = tokens
+        s.build_connector_meta(step)
+        clock[0] += 0.002 + tokens * s_per_token
+    s.build_connector_meta(_step())
+
+
+def test_hits_that_load_slower_than_they_compute_are_declined(
+    model_config: ModelConfig,
+) -> None:
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
+    clock = [50.0]
+    s.benefit.clock = lambda: clock[0]
+    assert s.codec is not None
+    req = request(6 * BS + 5)
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
+    # Nothing learned yet: the hit loads.
+    assert s.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    # A block loads in 50 ms; the engine computes a block's tokens in 1.3 ms.
+    _teach_rates(s, clock, load_s_per_block=0.05, s_per_token=1e-5)
+    slow = request(6 * BS + 5, rid="slow")
+    assert s.get_num_new_matched_tokens(slow, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(slow, 0) == (0, False)  # asked again: counted once
+    # Its blocks are in Redis: computing them here does not store them again.
+    assert s.requests["slow"].known_stored_blocks == 6
+    stats = s.take_stats()
+    assert stats["loads_declined"] == 1 and stats["tokens_declined"] == 6 * BS
+    # A probe interval later, one block of the next hit loads to measure the link.
+    clock[0] += s.benefit.probe_interval_s + 1
+    assert s.get_num_new_matched_tokens(request(6 * BS + 5, rid="p"), 0) == (BS, True)
+    assert s.take_stats()["load_probes"] == 1
+    # Beyond a local prefix hit, the same comparison for what is left.
+    assert s.get_num_new_matched_tokens(request(6 * BS + 5, rid="l"), 2 * BS) == (0, False)
+    # The link is fast: hits load again (a load far faster than expected restarts the line).
+    _teach_rates(s, clock, load_s_per_block=1e-4, s_per_token=1e-5)
+    assert s.get_num_new_matched_tokens(request(6 * BS + 5, rid="fast"), 0) == (6 * BS, True)
+    # Turned off, every hit loads.
+    off_plane = ScriptedDataPlane()
+    off = make_scheduler(model_config, off_plane, decline_slow_loads=False)
+    off.benefit.clock = lambda: clock[0]
+    assert off.codec is not None
+    off_plane.present = {off.codec.key(h, 0) for h in req.block_hashes}
+    _teach_rates(off, clock, load_s_per_block=0.05, s_per_token=1e-5)
+    assert off.get_num_new_matched_tokens(request(6 * BS + 5, rid="o"), 0) == (6 * BS, True)
+    assert "loads_declined" not in off.take_stats()

@@ -18,7 +18,12 @@ from typed_redis import raw
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from umbp_redis.data import BlockLoadBatch, BlockStoreBatch, UMBPConnectorMetadata
+from umbp_redis.data import (
+    BlockLoadBatch,
+    BlockStoreBatch,
+    UMBPConnectorMetadata,
+    UMBPConnectorWorkerMetadata,
+)
 from umbp_redis.engine.options import parse_connector_options
 from umbp_redis.engine.worker import UMBPWorker
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
@@ -808,7 +813,11 @@ def test_a_sync_load_by_layer_lets_each_layer_go_once_its_part_is_in(
     counts = w.stats.take()
     assert (counts["blocks_loaded"], counts["sync_loads"]) == (4, 1)
     assert counts["layer_wait_ms"] > 0  # what the layers waited, for the metrics
-    assert w.build_worker_meta() is None
+    assert counts["load_s"] and counts["load_s"][0] > 0  # the load's seconds, for histograms
+    # The scheduler hears what the load cost (its bytes and seconds), and nothing else.
+    meta = w.build_worker_meta()
+    assert meta is not None and meta.load_times == ((counts["bytes_loaded"], counts["load_s"][0]),)
+    assert meta == UMBPConnectorWorkerMetadata(load_times=meta.load_times)
 
 
 def test_a_load_by_layer_the_forward_did_not_wait_for_is_recomputed(

@@ -53,6 +53,10 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
         return not (self.loads or self.stores or self.cancelled_requests)
 
 
+# Load times one report of the workers carries at most (the newest are kept).
+MAX_LOAD_TIMES = 256
+
+
 @dataclass
 class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker completions of one step, aggregated across ranks.
@@ -70,6 +74,8 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     ran; the scheduler takes them out of vLLM's prefix cache.
     ``layer_loads_off``: a worker turned its loads by layer off (its forward pass did
     not wait for every layer): the scheduler stops planning large loads sync.
+    ``load_times``: (bytes, seconds) of loads a worker ran, for the scheduler's
+    estimate of what a load costs (at most ``MAX_LOAD_TIMES``).
     """
 
     store_results: dict[int, StoreEventResult] = field(default_factory=dict)
@@ -79,6 +85,7 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     removed_blocks: tuple[bytes, ...] = ()
     sync_failed_requests: tuple[str, ...] = ()
     layer_loads_off: bool = False
+    load_times: tuple[tuple[int, float], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPConnectorWorkerMetadata:
         """Merge another rank's completions into a new object (neither input changes)."""
@@ -100,6 +107,7 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
             removed,
             sync_failed,
             self.layer_loads_off or other.layer_loads_off,
+            (self.load_times + other.load_times)[-MAX_LOAD_TIMES:],
         )
 
 

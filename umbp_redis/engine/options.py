@@ -73,6 +73,14 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         minimum=0.001,
     ),
     Option(
+        "decline_slow_loads",
+        bool,
+        True,
+        "Offer a hit only when its load is expected to finish before computing its tokens "
+        "would: both estimated from this engine's own loads (bytes and seconds) and steps "
+        "(tokens and seconds); until both are known every hit loads. false: load every hit.",
+    ),
+    Option(
         "save_decode_cache",
         bool,
         False,
@@ -183,6 +191,7 @@ class EngineOptions:
     load_async: str | bool = _default("load_async")  # "auto", True or False
     sync_load_max_bytes: int = _default("sync_load_max_bytes")
     sync_load_timeout_s: float = _default("sync_load_timeout_s")
+    decline_slow_loads: bool = _default("decline_slow_loads")
     save_decode_cache: bool = _default("save_decode_cache")
     store_mode: str = _default("store_mode")
     store_after_requests: int = _default("store_after_requests")

@@ -41,6 +41,8 @@ class RequestState:
     load_async: bool = True  # how the hit of the last lookup answer loads
     sync_load_from: int = 0  # the first block its last sync load loaded
     store_hold: int = 0  # steps its stores wait for its last sync load's outcome
+    # ((local tokens, hit tokens), tokens offered) of the last load-or-compute decision.
+    offer: tuple[tuple[int, int], int] | None = None
     # Encoded lookup commands of blocks [0, len(lookup_cmds)), built once per block.
     lookup_cmds: list[Any] = field(default_factory=list)
     # The codec and the plane's lookup mode the commands were built with.

@@ -37,6 +37,7 @@ from umbp_redis.engine.handshake import agreed_namespace
 from umbp_redis.engine.hook_guard import check_engine_config, guarded_hook
 from umbp_redis.engine.kv_events import StoredBlockEvents
 from umbp_redis.engine.lazy_store import LazyStorePlanner
+from umbp_redis.engine.load_benefit import LoadBenefit
 from umbp_redis.engine.load_planner import LoadPlanner
 from umbp_redis.engine.load_policy import LoadPolicy
 from umbp_redis.engine.lookups import PrefixLookup
@@ -132,6 +133,10 @@ class UMBPScheduler:
                 "and vLLM can recompute a failed load of such a model only if it was async",
                 len(groups),
             )
+        # Hits load only where that beats computing them (decline_slow_loads).
+        self.benefit = LoadBenefit(
+            self.load_policy.bytes_per_block, enabled=options.decline_slow_loads
+        )
         self.idle_wait_s = IDLE_WAIT_S
         self.idle_waits = 0  # idle steps that waited for loads in flight
         self.replicated = tp_replicated_group_ids(kv_cache_config, self.topology)
@@ -287,8 +292,22 @@ class UMBPScheduler:
         tokens = hit * bs - num_computed_tokens
         if tokens <= 0:
             return 0, False
+        tokens = self._offered_tokens(st, tokens)
+        if tokens <= 0:
+            return 0, False
         st.load_async = self.load_policy.loads_async(tokens // bs)
         return tokens, st.load_async
+
+    def _offered_tokens(self, st: RequestState, tokens: int) -> int:
+        """How many of a hit's ``tokens`` (block-aligned) to offer, as ``LoadBenefit``
+        decides; a request asked about again with the same hit gets the same answer
+        (counted once)."""
+        asked = (st.local_tokens, tokens)
+        if st.offer is not None and st.offer[0] == asked:
+            return st.offer[1]
+        blocks = self.benefit.blocks_to_offer(tokens // self.block_size, tokens)
+        st.offer = (asked, blocks * self.block_size)
+        return st.offer[1]
 
     def _counter_totals(self) -> dict[str, int]:
         """The scheduler's counters since startup, by their name in the stats data."""
@@ -304,6 +323,9 @@ class UMBPScheduler:
             "values_refreshed": self.markers.refreshed,
             "stale_markers_removed": self.markers.stale,
             "marker_commands_dropped": self.markers.dropped,
+            "loads_declined": self.benefit.declined,
+            "tokens_declined": self.benefit.tokens_declined,
+            "load_probes": self.benefit.probes,
         }
 
     def take_stats(self) -> dict[str, Any]:
@@ -342,14 +364,16 @@ class UMBPScheduler:
         drops this step's stores (logged and counted).
         """
         t0 = time.perf_counter()
+        self.benefit.note_step_over(self._hooks_s)
         meta = UMBPConnectorMetadata()
         meta.loads = self.loads.take()
         meta.step_requests = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
+        step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         if (
             self.idle_wait_s > 0
             and (self.pins.loads or self.pins.stores)
             and not meta.loads
-            and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+            and not step_tokens
         ):
             # Nothing to compute but transfers in flight: a spinning engine loop would
             # take the CPU and the GIL from them. IDLE_WAIT_S per such step.
@@ -372,6 +396,9 @@ class UMBPScheduler:
                 self.pins.release_store(batch.event_id)
             meta.stores = []
         self.stats.observe("scheduler_step_s", self._hooks_s + time.perf_counter() - t0)
+        # A step with a sync load does not time computing alone (its forward pass waits).
+        sync_loads = any(not b.load_async for b in meta.loads)
+        self.benefit.note_step_planned(step_tokens, not sync_loads)
         self._hooks_s = 0.0
         return meta
 
@@ -463,6 +490,8 @@ class UMBPScheduler:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, UMBPConnectorWorkerMetadata):
             return
+        for nbytes, seconds in meta.load_times:
+            self.benefit.note_load(nbytes, seconds)
         self.quarantine.add(meta.failed_loads)
         for h in meta.repaired_loads:  # stored again, valid: a hit again
             self.quarantine.release(h)
@@ -501,6 +530,8 @@ class UMBPScheduler:
         """Forget the request; never delays freeing its blocks (in lazy store mode, its
         blocks may stay pinned until stored, see ``LazyStorePlanner.pin_finishing``)."""
         st = self.requests.pop(request.request_id, None)
+        if not self.requests:
+            self.benefit.note_engine_may_idle()
         if st is not None and st.store_hold > 0:
             self._plan_ended_held_stores(st, request)
         if self.lazy is not None and st is not None and self.lazy.has_candidates:

@@ -29,6 +29,11 @@ STEP_OBSERVATIONS: dict[str, tuple[str, str, tuple[float, ...]]] = {
         "Seconds of each prefix lookup's round trip to Redis (scheduler).",
         _SECONDS_BUCKETS,
     ),
+    "load_s": (
+        "vllm:umbp_load_seconds",
+        "Seconds of each load (one request's blocks on one worker), async or sync.",
+        _SECONDS_BUCKETS,
+    ),
     "scheduler_step_s": (
         "vllm:umbp_scheduler_step_seconds",
         "Seconds the connector's scheduler hooks took per engine step, lookups included.",
@@ -284,6 +289,26 @@ COUNTERS: tuple[Counter, ...] = (
     Counter(
         "marker_commands_dropped",
         "Marker writes and value refreshes dropped: the writer's queue was full.",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "loads_declined",
+        "Hits not loaded because loading them was expected to take longer than computing "
+        "them (decline_slow_loads).",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "tokens_declined",
+        "Prompt tokens of declined hits (computed instead of loaded).",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "load_probes",
+        "Hits of which one block was loaded, while hits were declined, to measure the link "
+        "again (at most one every 30 s).",
         "nonzero",
         "scheduler",
     ),

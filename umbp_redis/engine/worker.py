@@ -405,6 +405,7 @@ class UMBPWorker:
         deadline = None if report else time.monotonic() + self.sync_load_timeout_s
         if gate is not None:
             deadline = gate.deadline
+        plans: list[BlockTransferPlan] = []
         try:
             plans = [self._plan(p, batch.request_id) for p in batch]
             failed = self.loader.load(batch, plans, deadline, after, gate)
@@ -413,12 +414,15 @@ class UMBPWorker:
             failed = set(batch.block_ids)
             if gate is not None:
                 gate.open_all()
+        seconds = time.perf_counter() - t0
         self.stats.add(
             loads=1,
             sync_loads=0 if report else 1,
             load_failures=len(failed),
-            load_ms_total=(time.perf_counter() - t0) * 1e3,
+            load_ms_total=seconds * 1e3,
         )
+        self.stats.observe("load_s", seconds)
+        self._note_load_time(plans, failed, seconds)
         self._load_failed(batch.request_id, failed, sync=not report)
         if report:
             self.ledger.load_finished(batch.request_id)
@@ -432,6 +436,21 @@ class UMBPWorker:
             if not self._loading and self._switch_held:
                 self._switch_held = False
                 LOAD_SWITCH_INTERVAL.release()
+
+    def _note_load_time(
+        self, plans: list[BlockTransferPlan], failed: set[int], seconds: float
+    ) -> None:
+        """Tell the scheduler what a load cost (its load-or-compute choice): the bytes of
+        a load that completed; of one that ran out of time, the blocks it did load, or
+        one block if none (a load that slow costs at least that much). A load that
+        failed otherwise (a value missing or bad) says nothing about the link."""
+        if not plans:
+            return
+        if not failed:
+            self.ledger.load_timed(sum(p.object_size for p in plans), seconds)
+        elif seconds >= self.sync_load_timeout_s:
+            loaded = sum(p.object_size for p in plans if p.block_id not in failed)
+            self.ledger.load_timed(loaded or min(p.object_size for p in plans), seconds)
 
     def _is_cancelled(self, request_id: str) -> bool:
         """Whether the scheduler cancelled ``request_id``'s loads (preempted)."""

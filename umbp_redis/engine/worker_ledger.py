@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterable
 
 from umbp_redis.data import StoreEventResult, UMBPConnectorWorkerMetadata
+from umbp_redis.data.metadata import MAX_LOAD_TIMES
 
 # Failed-load block hashes one report carries at most (the oldest are dropped).
 MAX_FAILED_LOADS_REPORTED = 4096
@@ -45,6 +46,7 @@ class WorkerLedger:
         self._repaired: dict[bytes, None] = {}
         self._failed_requests: dict[str, None] = {}
         self._removed: dict[bytes, None] = {}
+        self._load_times: list[tuple[int, float]] = []
 
     def load_failed(self, request_id: str, block_ids: Iterable[int], *, sync: bool) -> None:
         """Blocks of a load that did not load (vLLM recomputes them); a failed sync load
@@ -59,6 +61,13 @@ class WorkerLedger:
                 self._failed_recving.add(request_id)
             else:
                 self._load_errors |= block_ids
+
+    def load_timed(self, nbytes: int, seconds: float) -> None:
+        """A load of ``nbytes`` took ``seconds`` (the newest ``MAX_LOAD_TIMES`` kept)."""
+        with self._lock:
+            self._load_times.append((nbytes, seconds))
+            if len(self._load_times) > MAX_LOAD_TIMES:
+                del self._load_times[0]
 
     def load_finished(self, request_id: str) -> None:
         """An async load of ``request_id`` is terminal."""
@@ -125,10 +134,18 @@ class WorkerLedger:
             requests, self._failed_requests = tuple(self._failed_requests), {}
             removed, self._removed = tuple(self._removed), {}
             sync_failed, self._sync_failed = tuple(self._sync_failed), {}
+            timed, self._load_times = tuple(self._load_times), []
         if not (
-            reports or failed or repaired or requests or removed or sync_failed or layer_loads_off
+            reports
+            or failed
+            or repaired
+            or requests
+            or removed
+            or sync_failed
+            or layer_loads_off
+            or timed
         ):
             return None
         return UMBPConnectorWorkerMetadata(
-            reports, failed, repaired, requests, removed, sync_failed, layer_loads_off
+            reports, failed, repaired, requests, removed, sync_failed, layer_loads_off, timed
         )

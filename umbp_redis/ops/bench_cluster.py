@@ -12,8 +12,6 @@ Everything it creates is named after its process id and removed at the end.
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import time
@@ -24,7 +22,13 @@ from typing import Any, TextIO
 import numpy as np
 
 from umbp_redis.ops.embedded_cluster import cluster_node_args, form_cluster
-from umbp_redis.ops.embedded_redis import find_redis_server
+from umbp_redis.ops.slow_link import (
+    PORT,
+    NetworkSetupError,
+    SlowLinkNode,
+    allow_bridged_traffic,
+    ip_command,
+)
 from umbp_redis.store.cluster import ClusterDataPlane
 from umbp_redis.store.deployment import DataPlane
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
@@ -32,128 +36,8 @@ from umbp_redis.store.settings import RedisSettings
 
 FINGERPRINT = b"\x0b" * 16
 SUBNET = "10.213.0"
-PORT = 6379
 
-
-class NetworkSetupError(RuntimeError):
-    """The namespaces, veth pairs or ``tc`` limits could not be made (not root?)."""
-
-
-def _allow_bridged_traffic(bridge: str, stack: ExitStack) -> None:
-    """Let the nodes reach each other across ``bridge`` where bridged frames pass
-    iptables (``br_netfilter``) and the FORWARD chain drops by default, as a Docker host
-    leaves it: one ACCEPT rule for this bridge alone, removed on exit. Without an
-    ``iptables`` tool there is no rule to add (nor one that drops)."""
-    if shutil.which("iptables") is None:
-        return
-    try:
-        with open("/proc/sys/net/bridge/bridge-nf-call-iptables") as f:
-            if f.read().strip() != "1":
-                return
-    except OSError:
-        return  # no br_netfilter: bridged frames never meet iptables
-    rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
-    if subprocess.run(["iptables", "-I", *rule], capture_output=True).returncode == 0:
-        stack.callback(lambda: subprocess.run(["iptables", "-D", *rule], capture_output=True))
-
-
-def _ip(*args: str) -> None:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise NetworkSetupError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
-
-
-def _tc(ns: str | None, dev: str, rate_mbit: int) -> None:
-    prefix = ["ip", "netns", "exec", ns] if ns else []
-    burst_kb = max(64, rate_mbit * 1000 // 8 // 1000)  # ~1 ms at the rate
-    cmd = [
-        *prefix,
-        "tc",
-        "qdisc",
-        "add",
-        "dev",
-        dev,
-        "root",
-        "tbf",
-        "rate",
-        f"{rate_mbit}mbit",
-        "burst",
-        f"{burst_kb}kb",
-        "latency",
-        "50ms",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise NetworkSetupError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
-
-
-class SlowLinkNode:
-    """One redis-server in its own namespace, reachable at ``SUBNET.<index+2>``."""
-
-    def __init__(self, tag: str, index: int, bridge: str, rate_mbit: int, args: list[str]) -> None:
-        self.ns = f"{tag}n{index}"
-        self.host_dev, self.ns_dev = f"{tag}h{index}", f"{tag}v{index}"
-        self.ip = f"{SUBNET}.{index + 2}"
-        self.port = PORT
-        self.dir = f"/tmp/{self.ns}"
-        self.bridge, self.rate, self.args = bridge, rate_mbit, args
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> SlowLinkNode:
-        """Make the namespace and link, start the server, wait until it answers."""
-        _ip("netns", "add", self.ns)
-        _ip("link", "add", self.host_dev, "type", "veth", "peer", "name", self.ns_dev)
-        _ip("link", "set", self.ns_dev, "netns", self.ns)
-        _ip("link", "set", self.host_dev, "master", self.bridge)
-        _ip("link", "set", self.host_dev, "up")
-        _ip("-n", self.ns, "addr", "add", f"{self.ip}/24", "dev", self.ns_dev)
-        _ip("-n", self.ns, "link", "set", self.ns_dev, "up")
-        _ip("-n", self.ns, "link", "set", "lo", "up")
-        _tc(None, self.host_dev, self.rate)  # host -> node
-        _tc(self.ns, self.ns_dev, self.rate)  # node -> host
-        os.makedirs(self.dir, exist_ok=True)
-        cmd = [
-            "ip",
-            "netns",
-            "exec",
-            self.ns,
-            find_redis_server(),
-            "--bind",
-            self.ip,
-            "--port",
-            str(self.port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--protected-mode",
-            "no",
-            "--dir",
-            self.dir,
-            "--logfile",
-            f"{self.dir}/redis.log",
-            *self.args,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection((self.ip, self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        raise NetworkSetupError(f"redis-server in {self.ns} did not answer at {self.ip}")
-
-    def stop(self) -> None:
-        """Stop the server; remove the namespace (and with it the link) and its folder."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.host_dev], capture_output=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
+__all__ = ["NetworkSetupError", "format_cluster_table", "run_cluster_bench"]
 
 
 def _objects(count: int, size: int, seed: int) -> np.ndarray:
@@ -221,16 +105,16 @@ def run_cluster_bench(
             print(msg, file=progress, flush=True)
 
     with ExitStack() as stack:
-        _ip("link", "add", bridge, "type", "bridge")
+        ip_command("link", "add", bridge, "type", "bridge")
         stack.callback(lambda: subprocess.run(["ip", "link", "del", bridge], capture_output=True))
-        _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
-        _ip("link", "set", bridge, "up")
-        _allow_bridged_traffic(bridge, stack)
+        ip_command("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+        ip_command("link", "set", bridge, "up")
+        allow_bridged_traffic(bridge, stack)
         single_args = ["--maxmemory-policy", "allkeys-lru"]
         cluster_args = cluster_node_args(2000, False)
         nodes = []
         for i, args in enumerate([single_args] + [cluster_args] * 3):
-            node = SlowLinkNode(tag, i, bridge, rate_mbit, args)
+            node = SlowLinkNode(tag, i, bridge, rate_mbit, args, subnet=SUBNET)
             stack.callback(node.stop)
             nodes.append(node.start())
         say(f"nodes up behind {rate_mbit} Mbit/s links; forming the cluster")

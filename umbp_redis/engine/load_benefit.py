@@ -1,0 +1,195 @@
+"""Whether a hit is worth loading: its expected load time against recomputing it.
+
+The scheduler learns two costs from this engine's own work, each a running
+least-squares line over recent samples (``RunningLinearFit``):
+
+- a load: seconds against bytes per worker, from the workers' load times (the line's
+  intercept is the round trips and fixed work, its slope the inverse bandwidth);
+- a step: seconds against the tokens it computed, from the time between the
+  scheduler's steps (the slope is what one more prompt token costs to compute).
+
+A hit of H tokens is offered when its load is expected to take no longer than
+computing those H tokens would (``LoadBenefit.blocks_to_offer``); both costs grow
+linearly with H and the load has the larger intercept, so the answer is the whole hit
+or none of it. Until both lines are known every hit loads (and is measured). While
+hits are declined, one block of a hit is loaded at most every ``PROBE_INTERVAL_S`` so
+that a link that became fast again is noticed (a load ``FASTER_LINK_FACTOR`` times
+faster than expected starts the load line anew).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+# Weight kept by a sample per newer one: about 1 / (1 - DECAY) samples of memory.
+DECAY = 0.95
+# Samples each line needs before it is used.
+MIN_LOAD_SAMPLES = 3
+MIN_STEP_SAMPLES = 8
+# While hits are declined, one block is loaded at most this often to measure the link.
+PROBE_INTERVAL_S = 30.0
+# A load this many times faster than expected means the link changed: relearn it.
+FASTER_LINK_FACTOR = 4.0
+# Below this spread of x (relative to its mean) the slope is not trusted and the line
+# goes through the origin (the mean seconds per unit).
+MIN_RELATIVE_SPREAD = 0.2
+
+
+class RunningLinearFit:
+    """A least-squares line ``y = a + b x`` over recent samples; each new sample
+    weighs every older one down by ``decay``. Constant time and memory per sample."""
+
+    def __init__(self, decay: float = DECAY, min_samples: int = 3) -> None:
+        self.decay = decay
+        self.min_samples = min_samples
+        self.samples = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        """One sample (``x`` > 0 and ``y`` >= 0; others are ignored)."""
+        if not (x > 0 and y >= 0):
+            return
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + x
+        self._y = self._y * d + y
+        self._xx = self._xx * d + x * x
+        self._xy = self._xy * d + x * y
+        self.samples += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept >= 0, slope >= 0) of the fit; None before ``min_samples`` or
+        where y falls as x grows (noise, nothing to learn from yet). Where x hardly
+        varies, or the intercept would be negative, the line goes through the origin."""
+        if self.samples < self.min_samples or self._x <= 0:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x <= (MIN_RELATIVE_SPREAD * mean_x) ** 2:
+            return 0.0, self._y / self._x
+        slope = (self._xy / self._w - mean_x * mean_y) / var_x
+        if slope <= 0:
+            return None
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:
+            return 0.0, self._xy / self._xx
+        return intercept, slope
+
+
+class LoadBenefit:
+    """Decides how many blocks of a hit to offer, from the engine's own load and step
+    times; counts what it declined.
+
+    ``bytes_per_block``: one block's bytes on each worker (every layer and group);
+    ``enabled`` False offers every hit (and still learns, for the stats)."""
+
+    def __init__(
+        self,
+        bytes_per_block: int,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+    ) -> None:
+        self.bytes_per_block = bytes_per_block
+        self.enabled = enabled
+        self.clock = clock
+        self.probe_interval_s = probe_interval_s
+        self.loads = RunningLinearFit(min_samples=MIN_LOAD_SAMPLES)  # bytes -> seconds
+        self.steps = RunningLinearFit(min_samples=MIN_STEP_SAMPLES)  # tokens -> seconds
+        self.declined = 0  # hits not offered (requests)
+        self.tokens_declined = 0
+        self.probes = 0  # hits of which one block was offered to measure the link
+        self._last_load_at: float | None = None
+        self._declining = False
+        # The step in progress: when its metadata was built, its tokens, whether its
+        # time measures computing them (no loads waited for, the engine never idle).
+        self._step_at: float | None = None
+        self._step_tokens = 0
+        self._step_clean = False
+
+    # -- learning -----------------------------------------------------------------
+
+    def note_load(self, nbytes: int, seconds: float) -> None:
+        """A worker's load of ``nbytes`` took ``seconds``. A load many times faster than
+        the line expects (a link that became fast again, seen by a probe) starts the
+        line anew: old slow samples of larger loads would hold its slope up."""
+        expected = self.expected_load_s(nbytes / self.bytes_per_block)
+        if expected is not None and seconds * FASTER_LINK_FACTOR < expected:
+            self.loads = RunningLinearFit(min_samples=MIN_LOAD_SAMPLES)
+        self.loads.add(nbytes, seconds)
+        self._last_load_at = self.clock()
+
+    def note_step_planned(self, tokens: int, clean: bool) -> None:
+        """The scheduler planned a step that computes ``tokens``; ``clean`` False when
+        its time would not measure computing (a sync load in it). Its time runs from now
+        to ``note_step_over``."""
+        self._step_at = self.clock()
+        self._step_tokens = tokens
+        self._step_clean = clean
+
+    def note_step_over(self, hooks_s: float = 0.0) -> None:
+        """The scheduler starts planning the next step: the last one planned took the
+        time since, less ``hooks_s`` (the scheduler hooks' time in between: lookups are
+        not computing)."""
+        if self._step_at is not None and self._step_clean and self._step_tokens > 0:
+            self.steps.add(self._step_tokens, max(0.0, self.clock() - self._step_at - hooks_s))
+        self._step_at = None
+
+    def note_engine_may_idle(self) -> None:
+        """No request is left: the engine may wait for new ones before its next step,
+        so the step in progress is not timed."""
+        self._step_clean = False
+
+    # -- deciding -----------------------------------------------------------------
+
+    def expected_load_s(self, blocks: float) -> float | None:
+        """Seconds a load of ``blocks`` blocks is expected to take; None: unknown."""
+        line = self.loads.line()
+        if line is None:
+            return None
+        return line[0] + line[1] * blocks * self.bytes_per_block
+
+    def expected_compute_s(self, tokens: int) -> float | None:
+        """Seconds computing ``tokens`` more prompt tokens is expected to add to the
+        engine's steps; None: unknown."""
+        line = self.steps.line()
+        return None if line is None else line[1] * tokens
+
+    def blocks_to_offer(self, blocks: int, tokens: int) -> int:
+        """How many of a hit's ``blocks`` (``tokens`` tokens) to offer: all of them
+        when their load is expected to finish before their computation would, or
+        either estimate is unknown; else none, or one as a probe of the link."""
+        if blocks <= 0:
+            return 0
+        load_s = self.expected_load_s(blocks)
+        compute_s = self.expected_compute_s(tokens)
+        if load_s is None or compute_s is None or load_s <= compute_s:
+            if self._declining:
+                self._declining = False
+                log.info("umbp-redis: hits load again (expected load no slower than computing)")
+            return blocks
+        if not self.enabled:
+            return blocks
+        if not self._declining:
+            self._declining = True
+            log.warning(
+                "umbp-redis: a hit of %d tokens is expected to load in %.1f ms and compute in "
+                "%.1f ms: hits that load slower than they compute are recomputed "
+                "(decline_slow_loads)",
+                tokens,
+                load_s * 1e3,
+                compute_s * 1e3,
+            )
+        now = self.clock()
+        if self._last_load_at is None or now - self._last_load_at >= self.probe_interval_s:
+            self._last_load_at = now  # one probe an interval, whenever its sample comes
+            self.probes += 1
+            return 1
+        self.declined += 1
+        self.tokens_declined += tokens
+        return 0
