@@ -143,3 +143,22 @@ def test_only_clean_busy_steps_time_the_engines_compute() -> None:
     d.note_step_over()
     assert d.steps.samples == 8
     assert d.expected_compute_s(1000) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_auto_loads_a_hit_async_when_it_would_hold_the_step_up_too_long() -> None:
+    from umbp_redis.engine.load_policy import LoadPolicy
+
+    policy = LoadPolicy(
+        mode="auto",
+        sync_load_max_bytes=8 * MiB,
+        bytes_per_block=BPB,
+        sync_loads_possible=True,
+        workers_load_by_layer=True,
+        sync_load_timeout_s=0.5,
+    )
+    assert not policy.loads_async(20)  # 40 MiB by layer: sync, when nothing is known
+    assert not policy.loads_async(20, expected_s=0.1)  # a fast link
+    assert policy.loads_async(20, expected_s=3.0)  # a slow one: it would run out of time
+    forced = LoadPolicy("auto", 8 * MiB, BPB, True, sync_load_timeout_s=0.5)
+    forced.mode = False
+    assert not forced.loads_async(20, expected_s=3.0)  # load_async false stays sync

@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 # Weight kept by a sample per newer one: about 1 / (1 - DECAY) samples of memory.
 DECAY = 0.95
 # Samples each line needs before it is used.
-MIN_LOAD_SAMPLES = 3
-MIN_STEP_SAMPLES = 8
+MIN_LOAD_SAMPLES = 1
+MIN_STEP_SAMPLES = 3
 # While hits are declined, one block is loaded at most this often to measure the link.
 PROBE_INTERVAL_S = 30.0
 # A load this many times faster than expected means the link changed: relearn it.

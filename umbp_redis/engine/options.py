@@ -51,8 +51,9 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "auto",
         "true: load hits off the forward pass (the request waits for its load); false: "
         "load them before the step's forward pass; auto: false for loads of at most "
-        "sync_load_max_bytes, true for larger ones. Models with several KV cache groups "
-        "(hybrid) always load async.",
+        "sync_load_max_bytes, true for larger ones and for loads expected to take more "
+        "than half of sync_load_timeout_s. Models with several KV cache groups (hybrid) "
+        "always load async.",
         choices=("auto", True, False),
     ),
     Option(

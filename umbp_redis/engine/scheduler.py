@@ -126,6 +126,7 @@ class UMBPScheduler:
                 for g in self.groups
             ),
             sync_loads_possible=block_failures_reportable(kv_cache_config),
+            sync_load_timeout_s=options.sync_load_timeout_s,
         )
         if options.load_async is False and not self.load_policy.sync_loads_possible:
             log.warning(
@@ -295,7 +296,8 @@ class UMBPScheduler:
         tokens = self._offered_tokens(st, tokens)
         if tokens <= 0:
             return 0, False
-        st.load_async = self.load_policy.loads_async(tokens // bs)
+        blocks = tokens // bs
+        st.load_async = self.load_policy.loads_async(blocks, self.benefit.expected_load_s(blocks))
         return tokens, st.load_async
 
     def _offered_tokens(self, st: RequestState, tokens: int) -> int:

@@ -440,17 +440,12 @@ class UMBPWorker:
     def _note_load_time(
         self, plans: list[BlockTransferPlan], failed: set[int], seconds: float
     ) -> None:
-        """Tell the scheduler what a load cost (its load-or-compute choice): the bytes of
-        a load that completed; of one that ran out of time, the blocks it did load, or
-        one block if none (a load that slow costs at least that much). A load that
-        failed otherwise (a value missing or bad) says nothing about the link."""
-        if not plans:
-            return
-        if not failed:
+        """Tell the scheduler what a load cost (its load-or-compute choice): the bytes and
+        seconds of a load that completed, or of one that ran out of time (it would have
+        taken at least that long). A load that failed otherwise (a value missing or bad)
+        says nothing about the link."""
+        if plans and (not failed or seconds >= self.sync_load_timeout_s):
             self.ledger.load_timed(sum(p.object_size for p in plans), seconds)
-        elif seconds >= self.sync_load_timeout_s:
-            loaded = sum(p.object_size for p in plans if p.block_id not in failed)
-            self.ledger.load_timed(loaded or min(p.object_size for p in plans), seconds)
 
     def _is_cancelled(self, request_id: str) -> bool:
         """Whether the scheduler cancelled ``request_id``'s loads (preempted)."""
