@@ -230,11 +230,11 @@ def redis_cli(up: list[str], env: dict[str, str], *args: str) -> str:
 
 def server_version(up: list[str], env: dict[str, str]) -> str:
     """``Valkey 8.0.1`` or ``Redis 7.0.15``: what the stack's server says it is."""
+    from umbp_redis.ops.admin import server_name
+
     info = redis_cli(up, env, "info", "server")
-    fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
-    if "valkey_version" in fields:
-        return f"Valkey {fields['valkey_version'].strip()}"
-    return f"Redis {fields.get('redis_version', '?').strip()}"
+    fields = dict(ln.strip().split(":", 1) for ln in info.splitlines() if ":" in ln)
+    return server_name(fields)
 
 
 def compose_cmd() -> list[str]:

@@ -20,6 +20,7 @@ COMPOSE_FILES = (
     "docker-compose.cluster.yml",
     "docker-compose.cpu.yml",
     "docker-compose.publish.yml",
+    "docker-compose.valkey.yml",
 )
 
 
@@ -197,3 +198,19 @@ def test_cpu_compose_runs_the_same_redis_and_cpu_engines_using_the_connector() -
     # The build context sends the package, not the virtual environment or caches.
     ignore = (ROOT / ".dockerignore").read_text().split()
     assert ignore[ignore.index("*") :][:2] == ["*", "!pyproject.toml"]
+
+
+def test_the_valkey_variant_runs_valkey_with_the_same_cache_settings() -> None:
+    redis = compose()["services"]["redis"]
+    valkey = compose("docker-compose.valkey.yml")["services"]["redis"]
+    assert valkey["image"] == "valkey/valkey:8.0"
+    cmd = " ".join(valkey["command"])
+    assert cmd.split()[3] == "valkey-server"
+    # Every setting of the Redis service's command, and Valkey's I/O threads.
+    redis_cmd = " ".join(redis["command"]).replace("exec redis-server", "exec valkey-server")
+    assert redis_cmd.replace("\n", " ").split()[3:] == [
+        w for w in cmd.split()[3:] if w not in ("--io-threads", '"${VALKEY_IO_THREADS}"')
+    ]
+    assert '--io-threads "${VALKEY_IO_THREADS}"' in cmd
+    assert str(valkey["environment"]["VALKEY_IO_THREADS"]) == "2"
+    assert "valkey-cli ping" in " ".join(valkey["healthcheck"]["test"])

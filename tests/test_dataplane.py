@@ -756,7 +756,15 @@ def _make_cert(tmp: Path) -> tuple[str, str, str]:
 
 def test_tls_connection(tmp_path: Path) -> None:
     files = _make_cert(tmp_path)
-    with EmbeddedRedis(tls_files=files) as srv:
+    srv = EmbeddedRedis(tls_files=files)
+    try:
+        srv.start()
+    except RuntimeError as e:
+        srv.cleanup()
+        if "Failed finding TLS support" in str(e):  # the server's own words
+            pytest.skip("this server was built without TLS (BUILD_TLS=no)")
+        raise
+    try:
         d = make_plane(srv.url, tls_ca_cert=files[2])
         src = payloads(3, 65536)
         keys = keys_for(3)
@@ -772,6 +780,8 @@ def test_tls_connection(tmp_path: Path) -> None:
         untrusted = make_plane(srv.url)
         assert untrusted.lookup(keys) is None
         untrusted.close()
+    finally:
+        srv.cleanup()
 
 
 def test_unix_socket() -> None:

@@ -73,7 +73,7 @@ def learn(
     for tokens in (64, 256, 512, 1024, 2048, 128, 768, 1536, 4096):
         d.note_step_planned(tokens, True)
         clock.t += 0.002 + tokens / tokens_per_s  # a fixed 2 ms a step besides
-        d.note_step_over()
+        d.note_step_output()
 
 
 def test_no_estimate_loads_and_a_fast_link_loads() -> None:
@@ -121,28 +121,38 @@ def test_turned_off_it_offers_every_hit() -> None:
     assert d.declined == d.probes == 0
 
 
-def test_only_clean_busy_steps_time_the_engines_compute() -> None:
+def test_steps_are_timed_from_their_plan_to_their_output() -> None:
     clock = Clock()
     d = LoadBenefit(BPB, clock=clock)
     for tokens in (100, 200, 400, 800, 1600, 300, 600, 1200):
         d.note_step_planned(tokens, True)
-        clock.t += tokens / 1000 + 0.05  # 50 ms of it in the scheduler's own hooks
-        d.note_step_over(hooks_s=0.05)
+        clock.t += tokens / 1000 + 0.005
+        d.note_step_output()
+        clock.t += 30.0  # idle between requests: not a step's time
     assert d.expected_compute_s(1000) == pytest.approx(1.0, rel=1e-6)
-    # A step with a sync load, one after which the engine may have idled, and one
-    # with no tokens teach nothing.
+    # A step with a sync load, and one with no tokens, teach nothing.
     d.note_step_planned(100, False)
     clock.t += 5.0
-    d.note_step_over()
-    d.note_step_planned(100, True)
-    d.note_engine_may_idle()
-    clock.t += 5.0
-    d.note_step_over()
+    d.note_step_output()
     d.note_step_planned(0, True)
     clock.t += 5.0
-    d.note_step_over()
+    d.note_step_output()
     assert d.steps.samples == 8
-    assert d.expected_compute_s(1000) == pytest.approx(1.0, rel=1e-6)
+    # Async scheduling: the next step is planned before the last one's output.
+    d.note_step_planned(1000, True)
+    clock.t += 0.4
+    d.note_step_planned(1000, True)
+    clock.t += 0.6
+    d.note_step_output()  # the first: planned 1.0 s ago
+    clock.t += 1.0
+    d.note_step_output()  # the second: 1.6 s ago
+    assert d.steps.samples == 10
+    # Outputs that never came: the pairing is dropped rather than guessed.
+    for _ in range(3):
+        d.note_step_planned(500, True)
+    clock.t += 100.0
+    d.note_step_output()
+    assert d.steps.samples == 10
 
 
 def test_auto_loads_a_hit_async_when_it_would_hold_the_step_up_too_long() -> None:

@@ -6,7 +6,8 @@ least-squares line over recent samples (``RunningLinearFit``):
 - a load: seconds against bytes per worker, from the workers' load times (the line's
   intercept is the round trips and fixed work, its slope the inverse bandwidth);
 - a step: seconds against the tokens it computed, from the time between the
-  scheduler's steps (the slope is what one more prompt token costs to compute).
+  scheduler planning it and its output coming back (the slope is what one more prompt
+  token costs to compute).
 
 A hit of H tokens is offered when its load is expected to take no longer than
 computing those H tokens would (``LoadBenefit.blocks_to_offer``); both costs grow
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ MIN_STEP_SAMPLES = 3
 PROBE_INTERVAL_S = 30.0
 # A load this many times faster than expected means the link changed: relearn it.
 FASTER_LINK_FACTOR = 4.0
+# Steps planned and not yet reported at most (vLLM's async scheduling plans one ahead).
+MAX_PENDING_STEPS = 2
 # Below this spread of x (relative to its mean) the slope is not trusted and the line
 # goes through the origin (the mean seconds per unit).
 MIN_RELATIVE_SPREAD = 0.2
@@ -106,11 +110,9 @@ class LoadBenefit:
         self.probes = 0  # hits of which one block was offered to measure the link
         self._last_load_at: float | None = None
         self._declining = False
-        # The step in progress: when its metadata was built, its tokens, whether its
-        # time measures computing them (no loads waited for, the engine never idle).
-        self._step_at: float | None = None
-        self._step_tokens = 0
-        self._step_clean = False
+        # Steps planned whose output has not come back: (when planned, tokens, whether
+        # their time measures computing them).
+        self._pending_steps: deque[tuple[float, int, bool]] = deque()
 
     # -- learning -----------------------------------------------------------------
 
@@ -127,23 +129,20 @@ class LoadBenefit:
     def note_step_planned(self, tokens: int, clean: bool) -> None:
         """The scheduler planned a step that computes ``tokens``; ``clean`` False when
         its time would not measure computing (a sync load in it). Its time runs from now
-        to ``note_step_over``."""
-        self._step_at = self.clock()
-        self._step_tokens = tokens
-        self._step_clean = clean
+        to its output (``note_step_output``)."""
+        self._pending_steps.append((self.clock(), tokens, clean))
+        if len(self._pending_steps) > MAX_PENDING_STEPS:
+            # More steps planned than outputs seen: the pairing is lost; start again.
+            self._pending_steps.clear()
 
-    def note_step_over(self, hooks_s: float = 0.0) -> None:
-        """The scheduler starts planning the next step: the last one planned took the
-        time since, less ``hooks_s`` (the scheduler hooks' time in between: lookups are
-        not computing)."""
-        if self._step_at is not None and self._step_clean and self._step_tokens > 0:
-            self.steps.add(self._step_tokens, max(0.0, self.clock() - self._step_at - hooks_s))
-        self._step_at = None
-
-    def note_engine_may_idle(self) -> None:
-        """No request is left: the engine may wait for new ones before its next step,
-        so the step in progress is not timed."""
-        self._step_clean = False
+    def note_step_output(self) -> None:
+        """The output of the oldest step planned and not yet reported has come back: its
+        time is a sample of what its tokens cost to compute."""
+        if not self._pending_steps:
+            return
+        planned_at, tokens, clean = self._pending_steps.popleft()
+        if clean and tokens > 0:
+            self.steps.add(tokens, self.clock() - planned_at)
 
     # -- deciding -----------------------------------------------------------------
 

@@ -366,7 +366,6 @@ class UMBPScheduler:
         drops this step's stores (logged and counted).
         """
         t0 = time.perf_counter()
-        self.benefit.note_step_over(self._hooks_s)
         meta = UMBPConnectorMetadata()
         meta.loads = self.loads.take()
         meta.step_requests = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
@@ -487,6 +486,7 @@ class UMBPScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Take the workers' reports: finished loads and stores release their pins,
         failed loads are quarantined, KV events are emitted."""
+        self.benefit.note_step_output()  # vLLM reports each step's output once
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self.pins.load_done(rid)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -532,8 +532,6 @@ class UMBPScheduler:
         """Forget the request; never delays freeing its blocks (in lazy store mode, its
         blocks may stay pinned until stored, see ``LazyStorePlanner.pin_finishing``)."""
         st = self.requests.pop(request.request_id, None)
-        if not self.requests:
-            self.benefit.note_engine_may_idle()
         if st is not None and st.store_hold > 0:
             self._plan_ended_held_stores(st, request)
         if self.lazy is not None and st is not None and self.lazy.has_candidates:

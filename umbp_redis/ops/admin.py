@@ -36,6 +36,28 @@ from umbp_redis.store.value_format import (
 _PROGRESS_EVERY = 10_000
 
 
+# The servers the test suite runs against (docs/operations.md, "Servers").
+TESTED_SERVERS = {"Redis": 7, "Valkey": 8}
+
+
+def server_name(info: dict[str, Any]) -> str:
+    """The server of an ``INFO server`` reply: "Valkey 8.0.1" where it has
+    ``valkey_version`` (Valkey also reports a ``redis_version``, 7.2.4, for clients),
+    else "Redis <redis_version>"."""
+    if info.get("valkey_version"):
+        return f"Valkey {info['valkey_version']}"
+    return f"Redis {info.get('redis_version', '?')}"
+
+
+def _server_tested(name: str) -> bool:
+    """Whether ``name`` (``server_name``) is of a major version the tests run against."""
+    kind, _, version = name.partition(" ")
+    try:
+        return int(version.split(".")[0]) >= TESTED_SERVERS.get(kind, 1 << 30)
+    except ValueError:
+        return False
+
+
 def register(sub: Any) -> None:
     """Add the operator verbs to the CLI."""
 
@@ -404,6 +426,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     server["maxmemory_policy"] = ",".join(
         sorted({str(n["maxmemory_policy"]) for n in nodes.values()})
     )
+    server["server"] = ", ".join(
+        sorted({server_name(i) for _, i in _per_master(r, _info("server"))})
+    )
     hits, misses = server["keyspace_hits"], server["keyspace_misses"]
     server["hit_rate"] = hits / (hits + misses) if hits + misses else None
     server["masters"] = len(nodes)
@@ -501,14 +526,20 @@ def _server_checks(r: Any, add: Any) -> None:
 
     cluster = _is_cluster(r)
 
-    def config_save(c: Any, node: Any) -> str:
-        try:
-            got = c.config_get("save") if node is None else c.config_get("save", target_nodes=node)
-        except redis.ResponseError:
-            return ""
-        return str(got.get("save", ""))
+    def config(param: str) -> Any:
+        def call(c: Any, node: Any) -> str:
+            try:
+                got = (
+                    c.config_get(param) if node is None else c.config_get(param, target_nodes=node)
+                )
+            except redis.ResponseError:  # CONFIG refused (an ACL without it)
+                return ""
+            return str(got.get(param, ""))
 
-    saves = dict(_per_master(r, config_save))
+        return call
+
+    saves = dict(_per_master(r, config("save")))
+    io_threads = dict(_per_master(r, config("io-threads")))
     for name, info in _per_master(r, _info("all")):
         where = f"{name}: " if cluster else ""
         maxmem, policy = int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy"))
@@ -528,6 +559,11 @@ def _server_checks(r: Any, add: Any) -> None:
             )
         else:
             add("ok", "eviction", f"{where}maxmemory-policy {policy}")
+        add(
+            "ok",
+            "io threads",
+            f"{where}{server_name(info)} io-threads {io_threads.get(name) or 'unknown'}",
+        )
         persist = []
         if int(info.get("aof_enabled", 0)):
             persist.append("AOF on")
@@ -608,8 +644,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             lat.append((time.perf_counter() - t) * 1e3)
         add("ok", "reachable", f"PING answered in {(time.perf_counter() - t0) * 1e3:.1f} ms")
         add("ok", "latency", f"PING p50 {statistics.median(lat):.2f} ms")
-        versions = sorted({str(i.get("redis_version")) for _, i in _per_master(r, _info("server"))})
-        add("ok", "version", f"redis {', '.join(versions)}")
+        names = sorted({server_name(i) for _, i in _per_master(r, _info("server"))})
+        untested = [n for n in names if not _server_tested(n)]
+        if untested:
+            add(
+                "warn",
+                "server",
+                f"{', '.join(names)}: untested (the tests run on Redis 7 and Valkey 8)",
+            )
+        else:
+            add("ok", "server", ", ".join(names))
         if _is_cluster(r):
             _cluster_checks(r, add)
         _server_checks(r, add)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+# Where the project's Valkey test binaries sit, from the repository root.
+DEFAULT_VALKEY_SERVER = "../shared/servers/valkey-8.0.1/valkey-server"
 
 
 def register(sub: Any) -> None:
@@ -30,6 +34,19 @@ def register(sub: Any) -> None:
         "--total-mib", type=int, default=256, help="payload MiB moved per measurement (default 256)"
     )
     plane.add_argument("--repeats", type=int, default=3, help="runs per measurement; best is kept")
+    plane.add_argument(
+        "--servers",
+        default=None,
+        help="compare servers instead, each started privately in turn: a comma-separated "
+        "list of redis or valkey, each with :N for its io-threads (e.g. "
+        "redis,valkey:1,valkey:2); transfers only, each against its own benchmark tool",
+    )
+    plane.add_argument(
+        "--valkey-server",
+        default=os.environ.get("UMBP_VALKEY_SERVER", DEFAULT_VALKEY_SERVER),
+        help="valkey-server binary for --servers (default: $UMBP_VALKEY_SERVER, else "
+        "../shared/servers/valkey-8.0.1/valkey-server from the current directory)",
+    )
     plane.set_defaults(handler=_run_dataplane)
     cl = targets.add_parser(
         "cluster",
@@ -53,6 +70,8 @@ def _run_dataplane(args: argparse.Namespace) -> int:
 
     url = args.redis_url
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.servers:
+        return _compare_servers(args, sizes)
     server = None
     if not url:
         server = EmbeddedRedis().start()
@@ -72,6 +91,29 @@ def _run_dataplane(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(format_table(result))
+    return 0
+
+
+def _compare_servers(args: argparse.Namespace, sizes: list[int]) -> int:
+    from umbp_redis.ops.bench_dataplane import (
+        format_server_table,
+        parse_servers,
+        run_server_comparison,
+    )
+
+    try:
+        servers = parse_servers(args.servers, args.valkey_server)
+    except ValueError as e:
+        print(f"umbp-redis bench dataplane: {e}", file=sys.stderr)
+        return 2
+    runs = run_server_comparison(
+        servers,
+        sizes=sizes,
+        total_bytes=args.total_mib << 20,
+        repeats=args.repeats,
+        progress=None if args.json else sys.stderr,
+    )
+    print(json.dumps(runs, indent=2) if args.json else format_server_table(runs))
     return 0
 
 

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import numpy as np
@@ -88,8 +89,11 @@ def _requests_per_second(out: str) -> float:
     return float("nan")
 
 
-def redis_benchmark_gbps(settings: RedisSettings, size: int, count: int) -> dict[str, float]:
-    """SET and GET GB/s of ``redis-benchmark`` (4 clients, pipeline 4) at ``size`` bytes,
+def redis_benchmark_gbps(
+    settings: RedisSettings, size: int, count: int, exe: str | None = None
+) -> dict[str, float]:
+    """SET and GET GB/s of ``redis-benchmark`` (or ``exe``, such as valkey-benchmark:
+    4 clients, pipeline 4) at ``size`` bytes,
     moving as many keys as this client does: SET writes ``count`` fresh keys (as the
     client's store does), GET reads ``2 * count`` times over ``count`` existing keys.
 
@@ -97,7 +101,7 @@ def redis_benchmark_gbps(settings: RedisSettings, size: int, count: int) -> dict
     ``-x``) and is deleted after; redis-benchmark's default key ``key:__rand_int__``,
     which could be a user's, is never written.
     """
-    exe = shutil.which("redis-benchmark")
+    exe = exe or shutil.which("redis-benchmark")
     if exe is None:
         return {"set": float("nan"), "get": float("nan")}
     args = _redis_benchmark_args(exe, settings)
@@ -321,8 +325,12 @@ def run_dataplane_bench(
     total_bytes: int = 256 << 20,
     repeats: int = 3,
     progress: IO[str] | None = None,
+    benchmark_exe: str | None = None,
+    lookups_and_memory: bool = True,
 ) -> dict[str, Any]:
-    """Run every measurement and return the JSON-able result."""
+    """Run every measurement and return the JSON-able result; ``benchmark_exe``: the
+    server's own benchmark tool (default redis-benchmark); ``lookups_and_memory``
+    False measures transfers only."""
     settings = RedisSettings.from_url(url)
     plane = RedisDataPlane(settings)
     plain = RedisDataPlane(RedisSettings.from_url(url, checksum=False))
@@ -335,7 +343,7 @@ def run_dataplane_bench(
     for size in sizes:
         count = max(8, total_bytes // size)
         say(f"[bench] {size} B values: redis-benchmark")
-        runs = [redis_benchmark_gbps(settings, size, count) for _ in range(repeats)]
+        runs = [redis_benchmark_gbps(settings, size, count, benchmark_exe) for _ in range(repeats)]
         rb = {k: max(run[k] for run in runs) for k in ("set", "get")}  # best, as below
         say(f"[bench] {size} B values: plain redis-py")
         rp = redispy_gbps(settings, size, count, repeats)
@@ -359,12 +367,12 @@ def run_dataplane_bench(
             }
         )
     lookups = []
-    for n in (1000, 8000):
+    for n in (1000, 8000) if lookups_and_memory else ():
         say(f"[bench] lookup of {n} keys")
         lookups.append(lookup_latency_ms(plane, settings, n))
     mem: dict[str, float] = {}
     mem_plain: dict[str, float] = {}
-    for size in (65536, 2097152):
+    for size in (65536, 2097152) if lookups_and_memory else ():
         say(f"[bench] memory footprint of {size} B objects")
         m = memory_overhead(plane, settings, size, max(16, (64 << 20) // size))
         mem[str(size)] = m["umbp"]
@@ -419,4 +427,107 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("object size | used_memory / payload (umbp) | (plain SET)")
     for size, v in result["memory_overhead"].items():
         lines.append(f"{size:>11} | {v:28.3f} | {result['memory_overhead_plain_set'][size]:.3f}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ServerUnderTest:
+    """One server of ``bench dataplane --servers``: its kind, binary, benchmark tool and
+    I/O threads."""
+
+    kind: str  # "redis" or "valkey"
+    server: str  # the server binary
+    benchmark: str | None  # its own benchmark tool (redis-benchmark, valkey-benchmark)
+    io_threads: int
+
+    @property
+    def label(self) -> str:
+        """How tables name it, e.g. "valkey io-threads 2"."""
+        return f"{self.kind} io-threads {self.io_threads}"
+
+
+def parse_servers(spec: str, valkey_server: str | None) -> list[ServerUnderTest]:
+    """``spec`` such as "redis,valkey:1,valkey:2" (kind, then io-threads, default 1) as
+    servers to start; ``ValueError`` naming what is wrong or missing."""
+    from umbp_redis.ops.embedded_redis import find_redis_server
+
+    out = []
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        kind, _, threads = item.partition(":")
+        if kind == "redis":
+            binary = shutil.which("redis-server") or find_redis_server()
+            tool = shutil.which("redis-benchmark")
+        elif kind == "valkey":
+            if not valkey_server or not os.access(valkey_server, os.X_OK):
+                raise ValueError(
+                    f"no valkey-server at {valkey_server!r}: give --valkey-server or set "
+                    "UMBP_VALKEY_SERVER"
+                )
+            binary = valkey_server
+            tool = os.path.join(os.path.dirname(binary), "valkey-benchmark")
+            tool = tool if os.access(tool, os.X_OK) else shutil.which("valkey-benchmark")
+        else:
+            raise ValueError(f"--servers: {kind!r} is not redis or valkey")
+        if threads and not threads.isdigit():
+            raise ValueError(f"--servers: io-threads of {item!r} is not a number")
+        out.append(ServerUnderTest(kind, binary, tool, int(threads or 1)))
+    return out
+
+
+def run_server_comparison(
+    servers: list[ServerUnderTest],
+    *,
+    sizes: list[int],
+    total_bytes: int,
+    repeats: int,
+    progress: IO[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Transfers (``run_dataplane_bench`` without lookups and memory) against each server
+    in turn, each on a private instance with its I/O threads, its own benchmark tool as
+    its ceiling."""
+    from umbp_redis.ops.embedded_redis import EmbeddedRedis
+
+    out = []
+    for srv in servers:
+        if progress is not None:
+            print(f"[bench] {srv.label}", file=progress, flush=True)
+        with EmbeddedRedis(["--io-threads", str(srv.io_threads)], binary=srv.server) as server:
+            import redis
+
+            info = redis.Redis.from_url(server.url).info("server")
+            result = run_dataplane_bench(
+                server.url,
+                sizes=sizes,
+                total_bytes=total_bytes,
+                repeats=repeats,
+                progress=progress,
+                benchmark_exe=srv.benchmark,
+                lookups_and_memory=False,
+            )
+        version = info.get("valkey_version") or info.get("redis_version")
+        out.append({"server": srv.label, "version": str(version), **result})
+    return out
+
+
+def format_server_table(runs: list[dict[str, Any]]) -> str:
+    """Per server and value size: this client's store/load GB/s, the server's own
+    benchmark tool's SET/GET GB/s, their ratio, and the client's rate against the first
+    server's."""
+    first = {r["value_bytes"]: r for r in runs[0]["results"]}
+    lines = [
+        "server (version) | value size | umbp store/load GB/s | its benchmark SET/GET GB/s | "
+        f"umbp/benchmark | umbp vs {runs[0]['server']}"
+    ]
+    for run in runs:
+        for r in run["results"]:
+            base = first[r["value_bytes"]]
+            lines.append(
+                f"{run['server']} ({run['version']}) | {r['value_bytes']} | "
+                f"{r['umbp_store_gbps']:.2f} / {r['umbp_load_gbps']:.2f} | "
+                f"{r['redis_benchmark_set_gbps']:.2f} / {r['redis_benchmark_get_gbps']:.2f} | "
+                f"{r['umbp_store_gbps'] / r['redis_benchmark_set_gbps']:.2f}x / "
+                f"{r['umbp_load_gbps'] / r['redis_benchmark_get_gbps']:.2f}x | "
+                f"{r['umbp_store_gbps'] / base['umbp_store_gbps']:.2f}x / "
+                f"{r['umbp_load_gbps'] / base['umbp_load_gbps']:.2f}x"
+            )
     return "\n".join(lines)
