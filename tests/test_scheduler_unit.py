@@ -1465,7 +1465,7 @@ def _teach_rates(
     from umbp_redis.data import UMBPConnectorWorkerMetadata
 
     per_block = s.load_policy.bytes_per_block
-    times = tuple((n * per_block, 0.001 + n * load_s_per_block) for n in (1, 2, 4, 8))
+    times = tuple((n * per_block, 0.001 + n * load_s_per_block, True) for n in (1, 2, 4, 8))
     s.update_connector_output(
         SimpleNamespace(  # type: ignore[arg-type]
             finished_recving=None,

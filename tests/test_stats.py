@@ -87,7 +87,9 @@ def test_step_observations_concatenate_across_workers_and_feed_histograms() -> N
     ws.add(sync_loads=1)
     a = UMBPConnectorStats(data=ws.take())
     assert "sync_load_wait_s" not in ws.take()  # observations reset on report too
-    other = UMBPConnectorStats(data={"sync_load_wait_s": [0.006], "lookup_s": [0.001]})
+    other = UMBPConnectorStats(
+        data={"sync_load_wait_s": [0.006], "lookup_s": [0.001], "load_s": [0.02, 0.3]}
+    )
     a.aggregate(other)
     assert a.data["sync_load_wait_s"] == [0.004, 0.006] and a.data["sync_loads"] == 1
     red = a.reduce()
@@ -103,6 +105,9 @@ def test_step_observations_concatenate_across_workers_and_feed_histograms() -> N
     le = {"engine": "0", "le": "0.005"}
     assert reg.get_sample_value("vllm:umbp_sync_load_wait_seconds_bucket", le) == 1
     assert reg.get_sample_value("vllm:umbp_lookup_seconds_count", labels) == 1
+    assert reg.get_sample_value("vllm:umbp_load_seconds_count", labels) == 2
+    le = {"engine": "0", "le": "0.05"}
+    assert reg.get_sample_value("vllm:umbp_load_seconds_bucket", le) == 1
 
 
 def test_observations_are_bounded_per_interval() -> None:

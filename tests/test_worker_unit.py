@@ -816,7 +816,8 @@ def test_a_sync_load_by_layer_lets_each_layer_go_once_its_part_is_in(
     assert counts["load_s"] and counts["load_s"][0] > 0  # the load's seconds, for histograms
     # The scheduler hears what the load cost (its bytes and seconds), and nothing else.
     meta = w.build_worker_meta()
-    assert meta is not None and meta.load_times == ((counts["bytes_loaded"], counts["load_s"][0]),)
+    assert meta is not None
+    assert meta.load_times == ((counts["bytes_loaded"], counts["load_s"][0], True),)
     assert meta == UMBPConnectorWorkerMetadata(load_times=meta.load_times)
 
 

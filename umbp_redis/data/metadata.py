@@ -74,8 +74,9 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     ran; the scheduler takes them out of vLLM's prefix cache.
     ``layer_loads_off``: a worker turned its loads by layer off (its forward pass did
     not wait for every layer): the scheduler stops planning large loads sync.
-    ``load_times``: (bytes, seconds) of loads a worker ran, for the scheduler's
-    estimate of what a load costs (at most ``MAX_LOAD_TIMES``).
+    ``load_times``: (bytes, seconds, complete) of loads a worker ran, for the
+    scheduler's estimate of what a load costs (complete False: it ran out of time after
+    those seconds); at most ``MAX_LOAD_TIMES``.
     """
 
     store_results: dict[int, StoreEventResult] = field(default_factory=dict)
@@ -85,7 +86,7 @@ class UMBPConnectorWorkerMetadata(KVConnectorWorkerMetadata):
     removed_blocks: tuple[bytes, ...] = ()
     sync_failed_requests: tuple[str, ...] = ()
     layer_loads_off: bool = False
-    load_times: tuple[tuple[int, float], ...] = ()
+    load_times: tuple[tuple[int, float, bool], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPConnectorWorkerMetadata:
         """Merge another rank's completions into a new object (neither input changes)."""

@@ -492,8 +492,8 @@ class UMBPScheduler:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, UMBPConnectorWorkerMetadata):
             return
-        for nbytes, seconds in meta.load_times:
-            self.benefit.note_load(nbytes, seconds)
+        for nbytes, seconds, complete in meta.load_times:
+            self.benefit.note_load(nbytes, seconds, complete)
         self.quarantine.add(meta.failed_loads)
         for h in meta.repaired_loads:  # stored again, valid: a hit again
             self.quarantine.release(h)

@@ -445,7 +445,7 @@ class UMBPWorker:
         taken at least that long). A load that failed otherwise (a value missing or bad)
         says nothing about the link."""
         if plans and (not failed or seconds >= self.sync_load_timeout_s):
-            self.ledger.load_timed(sum(p.object_size for p in plans), seconds)
+            self.ledger.load_timed(sum(p.object_size for p in plans), seconds, not failed)
 
     def _is_cancelled(self, request_id: str) -> bool:
         """Whether the scheduler cancelled ``request_id``'s loads (preempted)."""

@@ -46,7 +46,7 @@ class WorkerLedger:
         self._repaired: dict[bytes, None] = {}
         self._failed_requests: dict[str, None] = {}
         self._removed: dict[bytes, None] = {}
-        self._load_times: list[tuple[int, float]] = []
+        self._load_times: list[tuple[int, float, bool]] = []
 
     def load_failed(self, request_id: str, block_ids: Iterable[int], *, sync: bool) -> None:
         """Blocks of a load that did not load (vLLM recomputes them); a failed sync load
@@ -62,10 +62,11 @@ class WorkerLedger:
             else:
                 self._load_errors |= block_ids
 
-    def load_timed(self, nbytes: int, seconds: float) -> None:
-        """A load of ``nbytes`` took ``seconds`` (the newest ``MAX_LOAD_TIMES`` kept)."""
+    def load_timed(self, nbytes: int, seconds: float, complete: bool) -> None:
+        """A load of ``nbytes`` took ``seconds`` (``complete`` False: it ran out of time
+        then); the newest ``MAX_LOAD_TIMES`` are kept."""
         with self._lock:
-            self._load_times.append((nbytes, seconds))
+            self._load_times.append((nbytes, seconds, complete))
             if len(self._load_times) > MAX_LOAD_TIMES:
                 del self._load_times[0]
 
