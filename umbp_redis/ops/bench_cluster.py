@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -22,13 +21,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from umbp_redis.ops.embedded_cluster import cluster_node_args, form_cluster
-from umbp_redis.ops.slow_link import (
-    PORT,
-    NetworkSetupError,
-    SlowLinkNode,
-    allow_bridged_traffic,
-    ip_command,
-)
+from umbp_redis.ops.slow_link import PORT, NetworkSetupError, SlowLinkNode, add_bridge
 from umbp_redis.store.cluster import ClusterDataPlane
 from umbp_redis.store.deployment import DataPlane
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
@@ -105,11 +98,7 @@ def run_cluster_bench(
             print(msg, file=progress, flush=True)
 
     with ExitStack() as stack:
-        ip_command("link", "add", bridge, "type", "bridge")
-        stack.callback(lambda: subprocess.run(["ip", "link", "del", bridge], capture_output=True))
-        ip_command("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
-        ip_command("link", "set", bridge, "up")
-        allow_bridged_traffic(bridge, stack)
+        add_bridge(bridge, SUBNET, stack)
         single_args = ["--maxmemory-policy", "allkeys-lru"]
         cluster_args = cluster_node_args(2000, False)
         nodes = []

@@ -48,6 +48,16 @@ def allow_bridged_traffic(bridge: str, stack: ExitStack) -> None:
         stack.callback(lambda: subprocess.run(["iptables", "-D", *rule], capture_output=True))
 
 
+def add_bridge(bridge: str, subnet: str, stack: ExitStack) -> None:
+    """A bridge named ``bridge`` holding ``<subnet>.1/24`` for the host, up, deleted when
+    ``stack`` closes; bridged traffic let through (``allow_bridged_traffic``)."""
+    ip_command("link", "add", bridge, "type", "bridge")
+    stack.callback(lambda: subprocess.run(["ip", "link", "del", bridge], capture_output=True))
+    ip_command("addr", "add", f"{subnet}.1/24", "dev", bridge)
+    ip_command("link", "set", bridge, "up")
+    allow_bridged_traffic(bridge, stack)
+
+
 def ip_command(*args: str) -> None:
     """Run ``ip ARGS``; ``NetworkSetupError`` with its message when it fails."""
     try:
@@ -180,11 +190,7 @@ def slow_link_redis(rate_mbit: float, args: tuple[str, ...] = ()) -> Iterator[Sl
     bridge = f"{tag}br"
     sock = f"/tmp/{tag}n0/redis.sock"
     with ExitStack() as stack:
-        ip_command("link", "add", bridge, "type", "bridge")
-        stack.callback(lambda: subprocess.run(["ip", "link", "del", bridge], capture_output=True))
-        ip_command("addr", "add", f"{SLOW_LINK_SUBNET}.1/24", "dev", bridge)
-        ip_command("link", "set", bridge, "up")
-        allow_bridged_traffic(bridge, stack)
+        add_bridge(bridge, SLOW_LINK_SUBNET, stack)
         node = SlowLinkNode(
             tag,
             0,
