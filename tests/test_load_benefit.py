@@ -177,11 +177,16 @@ def test_auto_loads_a_hit_async_when_it_would_hold_the_step_up_too_long() -> Non
 def test_loads_that_ran_out_of_time_are_followed_by_one_block_not_the_whole_hit() -> None:
     clock = Clock()
     d = LoadBenefit(BPB, clock=clock)
-    learn(d, clock, load_gbps=1.0, rtt_s=0.0, tokens_per_s=10_000)  # steps known
-    d.loads = RunningLinearFit(min_samples=MIN_LOAD_SAMPLES)
-    d._complete_loads = 0
-    # A sync load of 20 blocks ran out of its 0.5 s: the link is at least that slow.
+    learn(d, clock, load_gbps=1.0, rtt_s=0.0, tokens_per_s=10_000)  # a fast link at first
+    assert d.blocks_to_offer(20, 20 * BS) == 20
+    # A sync load of 20 blocks ran out of its 0.5 s where 42 ms were expected: the link
+    # is slower than the line says, by how much nobody knows yet.
     d.note_load(20 * BPB, 0.5, complete=False)
+    assert d.expected_load_s(20) is None
     assert d.blocks_to_offer(20, 20 * BS) == 1 and d.probes == 1  # one block measures it
+    assert d.blocks_to_offer(20, 20 * BS) == 1 and d.probes == 2  # until it is measured
     d.note_load(BPB, 0.1)  # 20 MB/s: 20 blocks would take 2 s, computing them 0.26 s
     assert d.blocks_to_offer(20, 20 * BS) == 0 and d.declined == 1
+    # A load that ran out of time but no slower than expected changes nothing.
+    d.note_load(20 * BPB, 0.5, complete=False)
+    assert d.expected_load_s(20) == pytest.approx(2.0)

@@ -1484,14 +1484,14 @@ def test_hits_that_load_slower_than_they_compute_are_declined(
     model_config: ModelConfig,
 ) -> None:
     plane = ScriptedDataPlane()
-    s = make_scheduler(model_config, plane)
+    s = make_scheduler(model_config, plane, load_async="auto")  # small hits: sync
     clock = [50.0]
     s.benefit.clock = lambda: clock[0]
     assert s.codec is not None
     req = request(6 * BS + 5)
     plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
     # Nothing learned yet: the hit loads.
-    assert s.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    assert s.get_num_new_matched_tokens(req, 0) == (6 * BS, False)
     # A block loads in 50 ms; the engine computes a block's tokens in 1.3 ms.
     _teach_rates(s, clock, load_s_per_block=0.05, s_per_token=1e-5)
     slow = request(6 * BS + 5, rid="slow")
@@ -1501,7 +1501,7 @@ def test_hits_that_load_slower_than_they_compute_are_declined(
     assert s.requests["slow"].known_stored_blocks == 6
     stats = s.take_stats()
     assert stats["loads_declined"] == 1 and stats["tokens_declined"] == 6 * BS
-    # A probe interval later, one block of the next hit loads to measure the link.
+    # A probe interval later, one block of the next hit loads (async) to measure the link.
     clock[0] += s.benefit.probe_interval_s + 1
     assert s.get_num_new_matched_tokens(request(6 * BS + 5, rid="p"), 0) == (BS, True)
     assert s.take_stats()["load_probes"] == 1
@@ -1509,13 +1509,14 @@ def test_hits_that_load_slower_than_they_compute_are_declined(
     assert s.get_num_new_matched_tokens(request(6 * BS + 5, rid="l"), 2 * BS) == (0, False)
     # The link is fast: hits load again (a load far faster than expected restarts the line).
     _teach_rates(s, clock, load_s_per_block=1e-4, s_per_token=1e-5)
-    assert s.get_num_new_matched_tokens(request(6 * BS + 5, rid="fast"), 0) == (6 * BS, True)
+    assert s.get_num_new_matched_tokens(request(6 * BS + 5, rid="fast"), 0) == (6 * BS, False)
     # Turned off, every hit loads.
     off_plane = ScriptedDataPlane()
-    off = make_scheduler(model_config, off_plane, decline_slow_loads=False)
+    off = make_scheduler(model_config, off_plane, decline_slow_loads=False, load_async="auto")
     off.benefit.clock = lambda: clock[0]
     assert off.codec is not None
     off_plane.present = {off.codec.key(h, 0) for h in req.block_hashes}
     _teach_rates(off, clock, load_s_per_block=0.05, s_per_token=1e-5)
+    # (async: expected to take 0.3 s, over half of sync_load_timeout_s)
     assert off.get_num_new_matched_tokens(request(6 * BS + 5, rid="o"), 0) == (6 * BS, True)
     assert "loads_declined" not in off.take_stats()

@@ -109,7 +109,7 @@ class LoadBenefit:
         self.tokens_declined = 0
         self.probes = 0  # hits of which one block was offered to measure the link
         self._last_load_at: float | None = None
-        self._complete_loads = 0  # samples of the load line that were not lower bounds
+        self._timed_out = False  # a load ran out of time since the line's last sample
         self._declining = False
         # Steps planned whose output has not come back: (when planned, tokens, whether
         # their time measures computing them).
@@ -118,17 +118,23 @@ class LoadBenefit:
     # -- learning -----------------------------------------------------------------
 
     def note_load(self, nbytes: int, seconds: float, complete: bool = True) -> None:
-        """A worker's load of ``nbytes`` took ``seconds`` (``complete`` False: it ran out
-        of time after ``seconds``, a lower bound). A load many times faster than the
-        line expects (a link that became fast again, seen by a probe) starts the line
-        anew: old slow samples of larger loads would hold its slope up."""
+        """A worker's load of ``nbytes`` took ``seconds``; ``complete`` False: it ran out
+        of time after ``seconds`` (a sync load's deadline), so it says only that the
+        link is at least that slow. Such a load slower than the line expects, or a load
+        many times faster than it expects (a link that became fast again, seen by a
+        probe), starts the line anew: its old samples no longer describe the link.
+        Until a complete load is measured again, hits are probed (``blocks_to_offer``)."""
         expected = self.expected_load_s(nbytes / self.bytes_per_block)
+        self._last_load_at = self.clock()
+        if not complete:
+            if expected is None or seconds > expected:
+                self.loads = RunningLinearFit(min_samples=MIN_LOAD_SAMPLES)
+                self._timed_out = True
+            return
         if expected is not None and seconds * FASTER_LINK_FACTOR < expected:
             self.loads = RunningLinearFit(min_samples=MIN_LOAD_SAMPLES)
-            self._complete_loads = 0
         self.loads.add(nbytes, seconds)
-        self._complete_loads += complete
-        self._last_load_at = self.clock()
+        self._timed_out = False
 
     def note_step_planned(self, tokens: int, clean: bool) -> None:
         """The scheduler planned a step that computes ``tokens``; ``clean`` False when
@@ -166,14 +172,16 @@ class LoadBenefit:
     def blocks_to_offer(self, blocks: int, tokens: int) -> int:
         """How many of a hit's ``blocks`` (``tokens`` tokens) to offer: all of them
         when their load is expected to finish before their computation would, or
-        either estimate is unknown; else none, or one as a probe of the link. While
-        every load measured ran out of time (its line a lower bound), one block, to
-        measure the link at the cost of one block rather than of the whole hit."""
+        either estimate is unknown; else none, or one block as a probe of the link.
+        After a load ran out of time with no line to go by, one block too: the link is
+        measured at the cost of one block rather than of a whole hit. An offer of
+        fewer blocks than the hit is a probe, to be loaded async (no deadline cuts it
+        short)."""
         if blocks <= 0:
             return 0
         load_s = self.expected_load_s(blocks)
         compute_s = self.expected_compute_s(tokens)
-        if load_s is not None and self._complete_loads == 0 and self.enabled and blocks > 1:
+        if load_s is None and self._timed_out and self.enabled and blocks > 1:
             self.probes += 1
             return 1
         if load_s is None or compute_s is None or load_s <= compute_s:

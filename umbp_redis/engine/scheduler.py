@@ -297,7 +297,9 @@ class UMBPScheduler:
         if tokens <= 0:
             return 0, False
         blocks = tokens // bs
-        st.load_async = self.load_policy.loads_async(blocks, self.benefit.expected_load_s(blocks))
+        probe = blocks < hit - num_computed_tokens // bs  # a probe loads async: no deadline
+        expected = self.benefit.expected_load_s(blocks)
+        st.load_async = probe or self.load_policy.loads_async(blocks, expected)
         return tokens, st.load_async
 
     def _offered_tokens(self, st: RequestState, tokens: int) -> int:
