@@ -61,6 +61,10 @@ def _phases(prefix: str, seed: int) -> list[dict[str, Any]]:
         *others,
         {"op": "reset"},
         {"op": "generate", "name": f"{prefix}_first", "settle_s": 0.2},
+        # One request alone: where the first loads ran out of sync_load_timeout_s, its
+        # hit is a probe (one block, async) that measures the link whole.
+        {"op": "reset"},
+        {"op": "generate", "name": f"{prefix}_one", "prompts": PROMPTS[:1], "settle_s": 0.2},
         {"op": "reset"},
         {"op": "generate", "name": f"{prefix}_second", "settle_s": 0.2},
         {"op": "scheduler_counters", "name": f"{prefix}_counters"},
@@ -87,11 +91,14 @@ def runs(work: Path, tiny_model: Path, link: SlowLinkRedis) -> dict[str, Any]:
         fast_phases,
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the scheduler in this process
     )
+    # A consumer: it stores nothing, so only its lookups and loads cross the slow link
+    # (stores in flight there would slow its lookups and pin blocks it resets).
+    consumer = {**connector(link.slow_url, load_async="auto"), "kv_role": "kv_consumer"}
     slow = run_engine(
         work,
         "slow",
         tiny_model,
-        connector(link.slow_url, load_async="auto"),
+        consumer,
         _phases("slow", 90),
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
@@ -119,8 +126,9 @@ def test_a_slow_link_learns_that_loading_loses_and_computes_instead(
 ) -> None:
     for name in ("slow_first", "slow_second"):
         assert tokens(runs[name]) == tokens(runs["base"]), name
-    # Nothing learned yet: the first hits load (or run out of sync_load_timeout_s:
-    # either way the engine learns what a load costs here).
+    assert tokens(runs["slow_one"]) == tokens(runs["base"])[:1]
+    # Nothing learned yet: the first hits load (or run out of sync_load_timeout_s, and
+    # the next one is a probe: either way the engine learns what a load costs here).
     c = runs["slow_counters"]
     assert c["expected_load_s"] > c["expected_compute_s"]
     # Then hits are declined: computed, not loaded (a probe may load one block of one).

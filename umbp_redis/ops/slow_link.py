@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 from umbp_redis.ops.embedded_redis import find_redis_server
 
 PORT = 6379
-# The bridge's subnet of ``slow_link_redis`` (the cluster bench uses another).
-SLOW_LINK_SUBNET = "10.214.0"
+# ``slow_link_redis`` takes the first /24 under this prefix that no interface of the
+# host holds (another run's bridge would otherwise catch its traffic).
+SLOW_LINK_PREFIX = "10.214"
 
 
 class NetworkSetupError(RuntimeError):
@@ -180,6 +183,20 @@ class SlowLinkRedis:
     rate_mbit: float
 
 
+def free_subnet(prefix: str = SLOW_LINK_PREFIX) -> str:
+    """The first ``<prefix>.N`` (a /24) that no address of this host is in."""
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for n in range(256):
+        subnet = f"{prefix}.{n}"
+        if f" {subnet}." not in out:
+            return subnet
+    raise NetworkSetupError(f"every {prefix}.N/24 is taken on this host")
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextmanager
 def slow_link_redis(rate_mbit: float, args: tuple[str, ...] = ()) -> Iterator[SlowLinkRedis]:
     """A redis-server behind a ``rate_mbit`` link (each way), also on a unix socket;
@@ -190,14 +207,19 @@ def slow_link_redis(rate_mbit: float, args: tuple[str, ...] = ()) -> Iterator[Sl
     bridge = f"{tag}br"
     sock = f"/tmp/{tag}n0/redis.sock"
     with ExitStack() as stack:
-        add_bridge(bridge, SLOW_LINK_SUBNET, stack)
+        if threading.current_thread() is threading.main_thread():
+            # A terminated run still removes its namespace, link and server.
+            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            stack.callback(signal.signal, signal.SIGTERM, previous)
+        subnet = free_subnet()
+        add_bridge(bridge, subnet, stack)
         node = SlowLinkNode(
             tag,
             0,
             bridge,
             rate_mbit,
             ["--unixsocket", sock, "--unixsocketperm", "777", *args],
-            subnet=SLOW_LINK_SUBNET,
+            subnet=subnet,
         )
         stack.callback(node.stop)
         node.start()
