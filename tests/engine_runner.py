@@ -252,8 +252,8 @@ def main(spec_path: str) -> None:
             results[phase["name"]] = worker.plane.counters()
         elif op == "scheduler_counters":  # the in-process scheduler's counters and
             # its load-or-compute estimates for a hit of `blocks` blocks
-            core = llm.llm_engine.engine_core.engine_core
-            sched = core.scheduler.connector._scheduler
+            core: Any = llm.llm_engine.engine_core
+            sched = core.engine_core.scheduler.connector._scheduler
             blocks = phase.get("blocks", 3)
             results[phase["name"]] = {
                 **sched._counter_totals(),
