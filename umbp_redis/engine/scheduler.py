@@ -487,7 +487,8 @@ class UMBPScheduler:
     @guarded_hook(lambda self, connector_output: None)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Take the workers' reports: finished loads and stores release their pins,
-        failed loads are quarantined, KV events are emitted."""
+        failed loads are quarantined, KV events are emitted; the step's output and the
+        loads' times feed the load-or-compute estimates."""
         self.benefit.note_step_output()  # vLLM reports each step's output once
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self.pins.load_done(rid)
