@@ -643,7 +643,10 @@ def test_loads_by_layer_in_a_real_engine_give_the_tokens_of_recomputing(
             work,
             f"by_layer_{eager}",
             wide_model,
-            connector(url, load_async="auto"),
+            # The loads themselves are under test: every hit loads, even where this small
+            # model computes its tokens as fast as they load (decline_slow_loads would
+            # recompute them, rightly).
+            connector(url, load_async="auto", decline_slow_loads=False),
             phases,
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
             enforce_eager=eager,
