@@ -485,6 +485,7 @@ def run_server_comparison(
     """Transfers (``run_dataplane_bench`` without lookups and memory) against each server
     in turn, each on a private instance with its I/O threads, its own benchmark tool as
     its ceiling."""
+    from umbp_redis.ops.admin import server_name
     from umbp_redis.ops.embedded_redis import EmbeddedRedis
 
     out = []
@@ -492,9 +493,9 @@ def run_server_comparison(
         if progress is not None:
             print(f"[bench] {srv.label}", file=progress, flush=True)
         with EmbeddedRedis(["--io-threads", str(srv.io_threads)], binary=srv.server) as server:
-            import redis
-
-            info = redis.Redis.from_url(server.url).info("server")
+            client = _redispy_client(RedisSettings.from_url(server.url))
+            name = server_name(client.info("server"))  # "Valkey 8.0.1", "Redis 7.0.15"
+            client.close()
             result = run_dataplane_bench(
                 server.url,
                 sizes=sizes,
@@ -504,8 +505,7 @@ def run_server_comparison(
                 benchmark_exe=srv.benchmark,
                 lookups_and_memory=False,
             )
-        version = info.get("valkey_version") or info.get("redis_version")
-        out.append({"server": srv.label, "version": str(version), **result})
+        out.append({"server": srv.label, "version": name.partition(" ")[2], **result})
     return out
 
 
