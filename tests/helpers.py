@@ -102,11 +102,15 @@ def connector(url: str, *, module_path: bool = True, **extra: Any) -> dict[str, 
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         # Async loads unless a test says otherwise: these tests were written for them
-        # (the default, auto, loads the tiny model's small hits sync).
+        # (the default, auto, loads the tiny model's small hits sync). Every hit loads:
+        # the tiny model computes a block about as fast as it loads, so the choice to
+        # recompute (decline_slow_loads, tested in test_load_or_compute) would be a coin
+        # toss where these tests check what loading does.
         "kv_connector_extra_config": {
             "redis_url": url,
             "fail_fast_s": 0.5,
             "load_async": True,
+            "decline_slow_loads": False,
             **extra,
         },
     }

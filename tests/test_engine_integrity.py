@@ -28,12 +28,19 @@ OBJECT_BYTES = 2 * 65536  # the tiny model: 2 layers x 64 KiB pages per block
 
 
 def connector(url: str, **extra: Any) -> dict[str, Any]:
-    """The connector as a new user writes it: no kv_load_failure_policy."""
+    """The connector as a new user writes it: no kv_load_failure_policy. Every hit
+    loads (``decline_slow_loads`` off): these tests check what loading does, and the
+    tiny model computes a block about as fast as it loads."""
     return {
         "kv_connector": "UMBPRedisConnector",
         "kv_connector_module_path": "umbp_redis.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"redis_url": url, "fail_fast_s": 0.5, **extra},
+        "kv_connector_extra_config": {
+            "redis_url": url,
+            "fail_fast_s": 0.5,
+            "decline_slow_loads": False,
+            **extra,
+        },
     }
 
 

@@ -87,13 +87,16 @@ def runs(work: Path, tiny_model: Path, link: SlowLinkRedis) -> dict[str, Any]:
         work,
         "fast",
         tiny_model,
-        connector(link.fast_url, load_async="auto"),
+        connector(link.fast_url, load_async="auto", decline_slow_loads=True),
         fast_phases,
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the scheduler in this process
     )
     # A consumer: it stores nothing, so only its lookups and loads cross the slow link
     # (stores in flight there would slow its lookups and pin blocks it resets).
-    consumer = {**connector(link.slow_url, load_async="auto"), "kv_role": "kv_consumer"}
+    consumer = {
+        **connector(link.slow_url, load_async="auto", decline_slow_loads=True),
+        "kv_role": "kv_consumer",
+    }
     slow = run_engine(
         work,
         "slow",
