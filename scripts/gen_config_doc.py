@@ -31,9 +31,12 @@ loads. `kv_load_failure_policy` must be `recompute` so that a block evicted or d
 between lookup and load is recomputed instead of failing the request; vLLM's default is
 `fail`, so the connector sets `recompute` at startup and logs a warning when it had to.
 
-**Secrets:** vLLM prints `kv_connector_extra_config` verbatim in its startup log, so a
-password in `redis_url` or `password` is logged there. Use `password_file` or the
-environment variable `UMBP_REDIS_PASSWORD` (see [operations](operations.md#keep-the-password-out-of-logs)).
+**Secrets:** vLLM prints `kv_connector_extra_config` verbatim in its startup log, so the
+connector refuses a Redis password there (a `password` key, or one in `redis_url`) with
+an error that names the two ways that keep it out of logs: `password_file` and the
+environment variable `UMBP_REDIS_PASSWORD` (see
+[operations](operations.md#keep-the-password-out-of-logs)). A user name may stay in the
+URL (`redis://user@host:6379/0`).
 """
 
 TABLE_HEAD = """
@@ -47,7 +50,7 @@ TAIL = """
 | variable | meaning |
 |---|---|
 | `UMBP_REDIS_URL` | server URL when `redis_url` is not given (also read by the `umbp-redis` CLI) |
-| `UMBP_REDIS_PASSWORD` | password when neither the URL nor `password` gives one |
+| `UMBP_REDIS_PASSWORD` | password when `password_file` is not given |
 | `UMBP_REDIS_SERVER` | path of the `redis-server` binary the tests and the demo start |
 
 ## Tuning notes

@@ -175,14 +175,12 @@ def test_auth_failures_are_logged_once_at_error_and_counted(
     password: str | None,
     command: str,
 ) -> None:
-    settings = RedisSettings.from_options(
-        {
-            "redis_url": f"redis://127.0.0.1:{secured.port}/0",
-            "username": user,
-            "password": password,
-            "lookup_timeout_s": 1.0,
-            "fail_fast_s": 0.05,
-        }
+    settings = RedisSettings.from_url(
+        f"redis://127.0.0.1:{secured.port}/0",
+        username=user,
+        password=password,
+        lookup_timeout_s=1.0,
+        fail_fast_s=0.05,
     )
     plane = RedisDataPlane(settings)
     caplog.set_level(logging.DEBUG)

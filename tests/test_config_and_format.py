@@ -84,7 +84,7 @@ def test_redis_url_falls_back_to_the_environment(
     assert s.host == "given"
     monkeypatch.delenv("UMBP_REDIS_URL")
     assert RedisSettings.from_options({}).host == "localhost"
-    # Passwords: option > URL > password_file > $UMBP_REDIS_PASSWORD.
+    # Passwords: URL > password_file > $UMBP_REDIS_PASSWORD (a tool's override first).
     secret = tmp_path / "pw"
     secret.write_text("from-file\n")
     monkeypatch.setenv("UMBP_REDIS_PASSWORD", "from-env")
@@ -93,12 +93,47 @@ def test_redis_url_falls_back_to_the_environment(
     assert RedisSettings.from_options({"redis_url": "redis://h:1/0"}).password == "from-env"
     url_pw = {**opts, "redis_url": "redis://:from-url@h:1/0"}
     assert RedisSettings.from_options(url_pw).password == "from-url"
-    assert RedisSettings.from_options({**url_pw, "password": "opt"}).password == "opt"
+    assert RedisSettings.from_url("redis://:u@h:1/0", password="given").password == "given"
     with pytest.raises(ConfigError, match=r"\['password_file'\].*cannot be read"):
         RedisSettings.from_options({"password_file": str(tmp_path / "missing")})
     (tmp_path / "empty").write_text("")
     with pytest.raises(ConfigError, match=r"\['password_file'\].*empty"):
         RedisSettings.from_options({"password_file": str(tmp_path / "empty")})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"redis_url": "redis://:hunter2-secret@h:1/0"},
+        {"redis_url": "redis://alice:hunter2-secret@h:1/0"},
+        {"redis_url": "rediss://h:1/0?password=hunter2-secret"},
+        {"redis_url": "redis://h:1/0", "password": "hunter2-secret"},
+        {"password": None},
+    ],
+)
+def test_the_connector_refuses_a_password_in_its_config(extra: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as ei:
+        parse_connector_options(extra)
+    text = str(ei.value)
+    assert "password_file" in text and "UMBP_REDIS_PASSWORD" in text
+    assert "hunter2" not in text and "kv_connector_extra_config[" in text
+
+
+def test_the_connector_takes_a_user_in_its_url_and_the_password_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    settings, _ = parse_connector_options(
+        {"redis_url": "redis://alice@h:1/0", "password_file": str(secret)}
+    )
+    assert (settings.username, settings.password) == ("alice", "from-file")
+    monkeypatch.setenv("UMBP_REDIS_PASSWORD", "from-env")
+    settings, _ = parse_connector_options({"redis_url": "redis://alice@h:1/0"})
+    assert (settings.username, settings.password) == ("alice", "from-env")
+    # Outside vLLM's config (the CLI's --redis-url, $UMBP_REDIS_URL) a URL may hold one.
+    monkeypatch.setenv("UMBP_REDIS_URL", "redis://:env-url-pw@h:1/0")
+    assert parse_connector_options({})[0].password == "env-url-pw"
 
 
 def test_password_never_in_repr_or_redacted_url() -> None:

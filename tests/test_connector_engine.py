@@ -312,6 +312,20 @@ def test_unreachable_redis_at_startup(work: Path, tiny_model: Path, baseline: di
     assert res["keys"] == 2 + len(PROMPTS)
 
 
+def test_a_password_in_the_config_stops_the_engine_at_startup(work: Path, tiny_model: Path) -> None:
+    """vLLM prints kv_connector_extra_config at startup: a password there is refused, with
+    an error naming the ways that keep it out of logs and never repeating it."""
+    url = f"redis://umbp:hunter2-in-url@127.0.0.1:{free_port()}/0"
+    with pytest.raises(AssertionError, match="engine secret failed") as ei:
+        run_engine(work, "secret", tiny_model, connector(url), [{"op": "generate", "name": "g"}])
+    output = str(ei.value)
+    refusals = [line for line in output.splitlines() if "is refused" in line]
+    assert refusals, output[-3000:]
+    for line in refusals:
+        assert "password_file" in line and "UMBP_REDIS_PASSWORD" in line
+        assert "redis_url" in line and "hunter2" not in line
+
+
 def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict) -> None:  # type: ignore[type-arg]
     """Two TP ranks, sync loads (their stores of a load's step wait for its outcome):
     warm tokens equal cold ones; prompts extended past what Redis holds, answered with

@@ -19,6 +19,7 @@ from umbp_redis.store.settings import (
     MiB,
     Option,
     RedisSettings,
+    refuse_secrets,
     validate_options,
 )
 
@@ -212,12 +213,14 @@ def parse_connector_options(
     extra: Mapping[str, Any] | None,
 ) -> tuple[RedisSettings, EngineOptions]:
     """Both halves of ``kv_connector_extra_config``, validated once: an unknown key, a
-    removed one (with what replaced it) or a bad value raises ``ConfigError``."""
+    removed one (with what replaced it), a password (``refuse_secrets``) or a bad value
+    raises ``ConfigError``."""
     extra = dict(extra or {})
     for name, instead in REMOVED_OPTIONS.items():
         if name in extra:
             raise ConfigError(
                 f"kv_connector_extra_config[{name!r}] is no longer an option: use {instead}"
             )
+    refuse_secrets(extra)
     validate_options(extra, allowed=CONNECTOR_OPTIONS)  # unknown keys
     return RedisSettings.from_options(extra), EngineOptions.from_options(extra)

@@ -42,25 +42,18 @@ REDIS_OPTIONS: tuple[Option, ...] = (
         None,
         "Server to use: redis://[[user]:password@]host:port/db, rediss://... (TLS) or "
         "unix:///path/to/socket[?db=N], read as redis-py reads it (redis://name@host names "
-        "a user, redis://:secret@host a password). When unset: $UMBP_REDIS_URL, else "
-        "redis://localhost:6379/0. A password in it is printed by vLLM's startup log: use "
-        "password_file or $UMBP_REDIS_PASSWORD instead.",
+        "a user). When unset: $UMBP_REDIS_URL, else redis://localhost:6379/0. The connector "
+        "refuses a password in it (vLLM prints kv_connector_extra_config in its startup "
+        "log): give it in password_file or $UMBP_REDIS_PASSWORD.",
     ),
     Option("username", (str, type(None)), None, "ACL user name (overrides the URL's)."),
-    Option(
-        "password",
-        (str, type(None)),
-        None,
-        "Password (overrides the URL's). vLLM prints kv_connector_extra_config in its "
-        "startup log, so prefer password_file or $UMBP_REDIS_PASSWORD. Never logged here.",
-    ),
     Option(
         "password_file",
         (str, type(None)),
         None,
-        "File whose first line is the password (e.g. a Docker or Kubernetes secret); keeps "
-        "it out of vLLM's config and logs. Used when neither password nor the URL has one; "
-        "$UMBP_REDIS_PASSWORD is used when none of the three is set.",
+        "File whose first line is the Redis password (e.g. a Docker or Kubernetes secret); "
+        "keeps it out of vLLM's config and logs. When unset: $UMBP_REDIS_PASSWORD. Never "
+        "logged.",
     ),
     Option(
         "tls_ca_cert",
@@ -287,10 +280,13 @@ class RedisSettings:
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> RedisSettings:
         """Settings for ``url`` with other fields from ``overrides``: option names, or
-        the fields that are not options (``max_inflight_bytes``, ``transfer_cpus``:
-        tests and benchmarks set them)."""
+        the fields that are not options (``max_inflight_bytes``, ``transfer_cpus``,
+        ``password``: tools, tests and benchmarks set them; a ``password`` overrides
+        the URL's)."""
         internal = {
-            k: overrides.pop(k) for k in ("max_inflight_bytes", "transfer_cpus") if k in overrides
+            k: overrides.pop(k)
+            for k in ("max_inflight_bytes", "transfer_cpus", "password")
+            if k in overrides
         }
         if "transfer_cpus" in internal:
             validate_transfer_cpus(internal["transfer_cpus"])
@@ -303,14 +299,14 @@ class RedisSettings:
         (other keys are left to the engine's options, which reject unknown ones).
 
         ``redis_url`` falls back to ``$UMBP_REDIS_URL``, then ``DEFAULT_URL``; the
-        password comes from ``password``, the URL, ``password_file``, then
-        ``$UMBP_REDIS_PASSWORD``, in that order.
+        password comes from the URL, ``password_file``, then ``$UMBP_REDIS_PASSWORD``,
+        in that order (the connector refuses one in its URL: ``refuse_secrets``).
         """
         opts = validate_options(extra, ignore_unknown=True)
         url = opts["redis_url"] or os.environ.get("UMBP_REDIS_URL") or DEFAULT_URL
         parsed = parse_redis_url(url)
         username = opts["username"] or parsed.username
-        password = opts["password"] or parsed.password
+        password = parsed.password
         if password is None and opts["password_file"]:
             password = read_password_file(opts["password_file"])
         if password is None and os.environ.get("UMBP_REDIS_PASSWORD"):
@@ -427,6 +423,30 @@ def parse_redis_url(url: str) -> ParsedURL:
             "redis://[[user]:password@]host:port/db, rediss://... or unix:///path"
         ) from None
     return ParsedURL(scheme, host, port, path, db, username or None, password or None)
+
+
+def refuse_secrets(extra: Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` where ``kv_connector_extra_config`` holds a Redis password
+    (a ``password`` key, or one in ``redis_url``): vLLM prints that config in its
+    startup log. The error names the ways that keep it out of logs and never repeats
+    the password."""
+    where = None
+    if "password" in extra:
+        where = "kv_connector_extra_config['password']"
+    elif isinstance(extra.get("redis_url"), str):
+        try:
+            if parse_redis_url(extra["redis_url"]).password is not None:
+                where = "A password in kv_connector_extra_config['redis_url']"
+        except ConfigError:
+            pass  # malformed: the URL's own check reports it without repeating it
+    if where is not None:
+        raise ConfigError(
+            f"{where} is refused: vLLM prints kv_connector_extra_config in its startup "
+            "log, so the password would be in every log. Put the password in a file named "
+            "by kv_connector_extra_config['password_file'] (e.g. a Docker or Kubernetes "
+            "secret) or in the environment variable UMBP_REDIS_PASSWORD, and leave it out "
+            "of redis_url (redis://user@host:port/db keeps a user name)."
+        )
 
 
 def parse_seed_nodes(value: list[Any] | None) -> tuple[tuple[str, int], ...]:
