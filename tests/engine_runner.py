@@ -116,6 +116,8 @@ def main(spec_path: str) -> None:
         if op == "generate":
             t0 = time.perf_counter()
             prompts = phase.get("prompts", spec["prompts"])
+            if phase.get("cache_salt"):  # every prompt of the phase salted (a tenant)
+                prompts = [{"prompt": p, "cache_salt": phase["cache_salt"]} for p in prompts]
             phase_params = params
             if "max_tokens" in phase:  # this phase's own output length
                 phase_params = SamplingParams(max_tokens=phase["max_tokens"], temperature=0.0)
@@ -230,11 +232,26 @@ def main(spec_path: str) -> None:
                 _topic, _seq, payload = sub.recv_multipart(flags=zmq.NOBLOCK)
                 for ev in decoder.decode(payload).events:
                     hashes = getattr(ev, "block_hashes", [])
+                    parent = getattr(ev, "parent_block_hash", None)
                     events.append(
                         {
                             "type": type(ev).__name__,
                             "medium": getattr(ev, "medium", None),
                             "hashes": [h.hex() if isinstance(h, bytes) else h for h in hashes],
+                            "parent": parent.hex() if isinstance(parent, bytes) else parent,
+                            **{
+                                f: getattr(ev, f, None)
+                                for f in (
+                                    "token_ids",
+                                    "block_size",
+                                    "extra_keys",
+                                    "group_idx",
+                                    "kv_cache_spec_kind",
+                                    "kv_cache_spec_sliding_window",
+                                    "locality",
+                                    "lora_name",
+                                )
+                            },
                         }
                     )
             results[phase["name"]] = events

@@ -137,6 +137,11 @@ class FakeRequest:
     block_hashes: list[bytes] = field(default_factory=list)
     status: RequestStatus = RequestStatus.RUNNING
     num_computed_tokens: int = 0
+    # What vLLM hashes besides the tokens (the KV events publish it).
+    cache_salt: str | None = None
+    lora_request: Any = None
+    mm_features: list[Any] = field(default_factory=list)
+    prompt_embeds: Any = None
 
 
 class FakeBlockPool:
@@ -768,6 +773,11 @@ def test_kv_events_say_stored_once_every_worker_stored_and_removed_when_deleted(
     assert [e.parent_block_hash for e in events] == [None, conv[0], conv[1]]
     assert events[1].token_ids == req.all_token_ids[BS : 2 * BS]  # type: ignore[attr-defined]
     assert {e.medium for e in events} == {"REDIS"} and {e.group_idx for e in events} == {0}
+    # A shared tier, with what a router needs to index the blocks as vLLM's own.
+    assert {e.locality for e in events} == {"REMOTE"}
+    assert {e.kv_cache_spec_kind for e in events} == {"full_attention"}
+    assert {e.kv_cache_spec_sliding_window for e in events} == {None}
+    assert [e.extra_keys for e in events] == [[None]] * 3 and {e.block_size for e in events} == {BS}
     # A store that failed on a rank is not announced; a value deleted as invalid is.
     req2 = request(BS + 5, rid="r2")
     req2.block_hashes = [b"\x77" * 32]
@@ -789,7 +799,19 @@ def test_kv_events_say_stored_once_every_worker_stored_and_removed_when_deleted(
     report(StoreEventResult(eid, 2))
     assert [e.block_hashes for e in s.take_events()] == [[conv[1]]]
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == [conv[1]]
-    assert removed.medium == "REDIS"
+    assert (removed.medium, removed.locality, removed.group_idx) == ("REDIS", "REMOTE", 0)
+    # A salted request's first block publishes its salt, untagged, as vLLM does.
+    salted = request(2 * BS + 3, rid="salted")
+    salted.block_hashes = [b"\x55" * 32, b"\x56" * 32]
+    salted.all_token_ids = list(range(2 * BS + 3))  # type: ignore[attr-defined]
+    salted.cache_salt = "tenant-a"
+    s.get_num_new_matched_tokens(salted, 0)
+    meta = s.build_connector_meta(
+        _step(new=[("salted", ([21, 22, 23],), 0)], sched={"salted": 2 * BS + 3})
+    )
+    eid = meta.stores[0].event_id
+    report(StoreEventResult(eid, 2))
+    assert [e.extra_keys for e in s.take_events()] == [[("tenant-a",)], [None]]
 
 
 def test_blocks_in_the_local_cache_or_planned_this_step_are_not_stored_twice(

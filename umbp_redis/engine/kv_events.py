@@ -2,45 +2,113 @@
 
 Active only with vLLM's ``--kv-events-config``. A store event's blocks are announced
 (``BlockStored``) once every worker reported the event and none failed; values found
-missing, or invalid and deleted, are announced removed (``BlockRemoved``). Both carry
-the medium ``REDIS``. A block stored again within ``ANNOUNCE_WINDOW_S`` is not
-announced again.
+missing, or invalid and deleted, are announced removed (``BlockRemoved``, one event per
+cache group). Both say ``locality="REMOTE"`` (a tier shared by the fleet, not this
+engine's memory) and the medium ``REDIS``. A store event carries what a router needs to
+index the block as vLLM's own block pool publishes it: token ids, parent hash, block
+size, the LoRA, the extra keys of the block's hash (LoRA name, multimodal identifiers,
+``cache_salt``, prompt-embedding digests, untagged as vLLM publishes them), the cache
+group and its spec kind and sliding window. A block stored again within
+``ANNOUNCE_WINDOW_S`` is not announced again.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 # The "medium" of this connector's KV cache events.
 KV_EVENTS_MEDIUM = "REDIS"
+# Where the blocks are, relative to the engine publishing the events: shared, not its own.
+KV_EVENTS_LOCALITY = "REMOTE"
 # A block stored again within this many seconds is not announced again.
 ANNOUNCE_WINDOW_S = 60.0
 # Store events whose blocks are kept for their KV cache event at most, and blocks whose
 # last announcement is remembered at most.
 MAX_TRACKED_STORE_EVENTS = 16384
 
-# A block's KV cache event data: hash, parent hash, token ids, cache group.
-EventBlock = tuple[bytes, bytes | None, list[int], int]
+
+@dataclass(frozen=True)
+class EventBlock:
+    """A stored block's KV cache event data, taken from its request when planned."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    group: int
+    extra_keys: tuple[Any, ...] | None = None  # untagged, as vLLM publishes them
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupSpecInfo:
+    """What a KV cache event says about a cache group's spec."""
+
+    kind: str | None
+    sliding_window: int | None
+
+
+def group_spec_infos(kv_cache_groups: Sequence[Any]) -> dict[int, GroupSpecInfo]:
+    """Each cache group's spec kind and sliding window, as vLLM's events name them."""
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    return {
+        g: GroupSpecInfo(
+            get_kv_cache_spec_kind(group.kv_cache_spec).value,
+            get_kv_cache_spec_sliding_window(group.kv_cache_spec),
+        )
+        for g, group in enumerate(kv_cache_groups)
+    }
 
 
 def event_blocks(
-    token_ids: Sequence[int],
+    request: Request,
     hash_of_block: Callable[[int], bytes | None],
     block_size: int,
     hashes: Sequence[bytes],
     indices: Sequence[int],
     group_ids: Sequence[int],
 ) -> list[EventBlock]:
-    """The event data of blocks ``indices`` of a request (``hash_of_block(i)``: the hash
-    of its block ``i``)."""
+    """The event data of blocks ``indices`` of ``request`` (``hash_of_block(i)``: the
+    hash of its block ``i``), with the extra keys vLLM hashed into each block."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    lora = getattr(request, "lora_request", None)
+    lora_id = lora.adapter_id if lora is not None else None
+    lora_name = lora.name if lora is not None else None
+    token_ids = request.all_token_ids
+    extra_of: dict[int, tuple[Any, ...] | None] = {}
+    mm_index = 0
+    for i in sorted(set(indices)):
+        keys, mm_index = generate_block_hash_extra_keys(
+            request, i * block_size, (i + 1) * block_size, mm_index
+        )
+        published = to_event_extra_keys([keys]) if keys is not None else None
+        extra_of[i] = published[0] if published else None
     out = []
     for h, i, g in zip(hashes, indices, group_ids, strict=True):
         parent = hash_of_block(i - 1) if i > 0 else None
-        out.append((h, parent, list(token_ids[i * block_size : (i + 1) * block_size]), g))
+        out.append(
+            EventBlock(
+                h,
+                parent,
+                tuple(token_ids[i * block_size : (i + 1) * block_size]),
+                g,
+                extra_of[i],
+                lora_id,
+                lora_name,
+            )
+        )
     return out
 
 
@@ -60,11 +128,13 @@ class StoredBlockEvents:
         self,
         block_size: int,
         num_workers: int,
+        group_specs: Mapping[int, GroupSpecInfo] | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.num_workers = num_workers
+        self.group_specs = dict(group_specs or {})
         self._clock = clock
         self._pending: OrderedDict[int, _PendingStore] = OrderedDict()
         # (block hash, group) -> when announced.
@@ -95,32 +165,41 @@ class StoredBlockEvents:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         now = self._clock()
-        for h, parent, tokens, g in info.blocks:
-            seen = self._announced.get((h, g))
+        for b in info.blocks:
+            key = (b.block_hash, b.group)
+            seen = self._announced.get(key)
             if seen is not None and now - seen < ANNOUNCE_WINDOW_S:
                 continue
-            self._announced[(h, g)] = now
-            self._announced.move_to_end((h, g))
+            self._announced[key] = now
+            self._announced.move_to_end(key)
             while len(self._announced) > MAX_TRACKED_STORE_EVENTS:
                 self._announced.popitem(last=False)
+            spec = self.group_specs.get(b.group, GroupSpecInfo(None, None))
             self._events.append(
                 BlockStored(
-                    block_hashes=[maybe_convert_block_hash(h)],  # type: ignore[arg-type]
+                    block_hashes=[maybe_convert_block_hash(b.block_hash)],  # type: ignore[arg-type]
                     parent_block_hash=(
-                        maybe_convert_block_hash(parent) if parent is not None else None  # type: ignore[arg-type]
+                        maybe_convert_block_hash(b.parent_hash)  # type: ignore[arg-type]
+                        if b.parent_hash is not None
+                        else None
                     ),
-                    token_ids=tokens,
+                    token_ids=list(b.token_ids),
                     block_size=self.block_size,
-                    lora_id=None,
+                    lora_id=b.lora_id,
                     medium=KV_EVENTS_MEDIUM,
-                    lora_name=None,
-                    group_idx=g,
+                    lora_name=b.lora_name,
+                    extra_keys=[b.extra_keys],
+                    group_idx=b.group,
+                    kv_cache_spec_kind=spec.kind,
+                    kv_cache_spec_sliding_window=spec.sliding_window,
+                    locality=KV_EVENTS_LOCALITY,
                 )
             )
 
     def note_removed(self, hashes: Sequence[bytes], groups: Sequence[int]) -> None:
-        """Announce blocks whose values were found missing, or invalid and deleted; a
-        block stored again afterwards is announced again."""
+        """Announce blocks whose values were found missing, or invalid and deleted (one
+        event per group of ``groups``); a block stored again afterwards is announced
+        again."""
         if not hashes:
             return
         for h in hashes:
@@ -129,12 +208,15 @@ class StoredBlockEvents:
         from vllm.distributed.kv_events import BlockRemoved
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        self._events.append(
-            BlockRemoved(
-                block_hashes=[maybe_convert_block_hash(h) for h in hashes],  # type: ignore[arg-type]
-                medium=KV_EVENTS_MEDIUM,
+        for g in groups:
+            self._events.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h) for h in hashes],  # type: ignore[arg-type]
+                    medium=KV_EVENTS_MEDIUM,
+                    group_idx=g,
+                    locality=KV_EVENTS_LOCALITY,
+                )
             )
-        )
 
     def take(self) -> list[Any]:
         """The events since the last call."""

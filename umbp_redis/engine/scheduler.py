@@ -35,7 +35,7 @@ from umbp_redis.data import (
 from umbp_redis.engine.block_markers import StoredMarkers
 from umbp_redis.engine.handshake import agreed_namespace
 from umbp_redis.engine.hook_guard import check_engine_config, guarded_hook
-from umbp_redis.engine.kv_events import StoredBlockEvents
+from umbp_redis.engine.kv_events import StoredBlockEvents, group_spec_infos
 from umbp_redis.engine.lazy_store import LazyStorePlanner
 from umbp_redis.engine.load_benefit import LoadBenefit
 from umbp_redis.engine.load_planner import LoadPlanner
@@ -174,7 +174,9 @@ class UMBPScheduler:
         # KV cache events (only with vLLM's --kv-events-config).
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.events = (
-            StoredBlockEvents(block_size, self.num_workers)
+            StoredBlockEvents(
+                block_size, self.num_workers, group_spec_infos(kv_cache_config.kv_cache_groups)
+            )
             if events_cfg and getattr(events_cfg, "enable_kv_cache_events", 0)
             else None
         )

@@ -130,7 +130,7 @@ class StorePlanner:
         event_data = None
         if self.events is not None:
             event_data = event_blocks(
-                req.all_token_ids,
+                req,
                 lambda i: self.hashing.hash_of(req, i),
                 bs,
                 hashes,
