@@ -50,7 +50,7 @@ MAX_TRACKED = 1 << 16
 MAX_REFRESH_INTERVAL_S = 1.0
 
 # What a queued command does, for its reply.
-_MARK, _REFRESH, _UNMARK = 0, 1, 2
+_MARK, _REFRESH, _UNMARK, _RECORD = 0, 1, 2, 3
 
 
 @dataclass
@@ -122,6 +122,7 @@ class StoredMarkers:
         self.refreshed = 0  # value keys whose TTL or LRU clock was refreshed
         self.stale = 0  # markers deleted: a rank value was gone or invalid
         self.dropped = 0  # commands dropped: the queue was full
+        self.records_written = 0  # namespace records written (``publish``)
 
     # -- scheduler side ----------------------------------------------------------------
 
@@ -186,6 +187,11 @@ class StoredMarkers:
         """Delete the markers of blocks whose value a worker found missing, or invalid
         and deleted."""
         self._enqueue(self._unmark({(h, g): codec for h in hashes for g in groups}))
+
+    def publish(self, codec: BlockIdentityCodec, key: bytes, command: bytes) -> None:
+        """Send ``command``, a write of ``key`` that answers ``+OK`` (the namespace
+        record), on the writer thread; counted in ``records_written`` or ``failed``."""
+        self._enqueue([_Queued(_RECORD, key, command, (b"", -1), codec)])
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every queued command to be sent; whether it was."""
@@ -335,6 +341,11 @@ class StoredMarkers:
                 else:  # unknown (an error reply, a failed node): nothing is concluded
                     self.failed += 1
                     self._refreshed.pop(q.block, None)
+            elif q.kind == _RECORD:
+                if r == 1:
+                    self.records_written += 1
+                else:
+                    self.failed += 1
             elif r == 1:
                 self.stale += 1
             elif r < 0:

@@ -41,6 +41,7 @@ from umbp_redis.engine.load_benefit import LoadBenefit
 from umbp_redis.engine.load_planner import LoadPlanner
 from umbp_redis.engine.load_policy import LoadPolicy
 from umbp_redis.engine.lookups import PrefixLookup
+from umbp_redis.engine.namespace_advert import NamespaceAdvert
 from umbp_redis.engine.options import EngineOptions
 from umbp_redis.engine.pins import BlockPins
 from umbp_redis.engine.quarantine import LoadQuarantine
@@ -171,6 +172,14 @@ class UMBPScheduler:
             on_found=self.markers.note_found,
         )
         self.pins = BlockPins(self.num_workers)
+        # The namespace record prefix lookups outside the engine read.
+        self.advert = NamespaceAdvert(
+            vllm_config,
+            block_size,
+            self.hashing.hash_block_size,
+            self.group_plans,
+            settings.ttl_seconds,
+        )
         # KV cache events (only with vLLM's --kv-events-config).
         events_cfg = getattr(vllm_config, "kv_events_config", None)
         self.events = (
@@ -386,6 +395,10 @@ class UMBPScheduler:
             time.sleep(self.idle_wait_s)
         self.stores.start_step()
         try:
+            if self.codec is not None and self.can_store:
+                due = self.advert.due(self.codec.namespace)
+                if due is not None:
+                    self.markers.publish(self.codec, *due)
             self.pins.release_stale()
             self._plan_step(scheduler_output, meta)
         except Exception as e:

@@ -19,9 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"umbp-redis {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from umbp_redis.ops import admin, bench, demo
+    from umbp_redis.ops import admin, bench, demo, lookup_cli
 
     admin.register(sub)
+    lookup_cli.register(sub)
     demo.register(sub)
     bench.register(sub)
     return parser

@@ -96,6 +96,17 @@ def run_demo(args: argparse.Namespace) -> int:
             server.cleanup()
 
 
+def _is_value_key(key: bytes) -> bool:
+    """Whether ``key`` is a block's value (one rank's), as ``parse_key`` reads them."""
+    from umbp_redis.data.keys import parse_key
+
+    try:
+        parse_key(key)
+    except ValueError:
+        return False
+    return True
+
+
 def _demo(url: str, num_blocks: int, num_layers: int) -> int:
     import torch
 
@@ -221,7 +232,7 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
     r = redis.Redis.from_url(url)
     found = list(r.scan_iter(match=namespace_pattern(), count=1000))
     markers = [k for k in found if is_marker_key(k)]
-    keys = [k for k in found if not is_marker_key(k)]
+    keys = [k for k in found if _is_value_key(k)]  # not markers nor the namespace record
     stored_bytes = sum(n or 0 for n in payload_sizes(r, keys))
     cold, warm = results["cold"], results["warm"]
     equal = cold["outputs"] == warm["outputs"]

@@ -1,0 +1,234 @@
+"""``umbp-redis lookup`` (one prompt) and ``umbp-redis serve-lookup`` (HTTP, JSON) over
+``umbp_redis.ops.prefix_lookup.CacheLookup``.
+
+HTTP: ``POST /lookup`` with ``{"model": ..., "prompt": "text"}`` or ``"token_ids": [...]``
+(optional ``cache_salt``, ``lora_name`` with ``lora_path``, ``namespace``) answers
+``{"model", "prompt_tokens", "cached_tokens", "namespaces": [...]}``; ``GET /models``
+lists the namespaces' records; ``GET /health`` answers ``{"ok": true}``. Bad input is a
+4xx with ``{"error": reason}`` (400 malformed, 404 unknown model, 409 hashes not
+reproducible, 413 too large), Redis not answering a 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from umbp_redis.store.settings import DEFAULT_URL, RedisSettings
+
+if TYPE_CHECKING:  # imported when used: it pulls in torch, which the CLI's help need not
+    from umbp_redis.ops.prefix_lookup import CacheLookup, LookupAnswer
+
+log = logging.getLogger(__name__)
+
+# Request bodies larger than this are refused (413): a 128k-token prompt as JSON token
+# ids is about 1 MB.
+MAX_BODY_BYTES = 16 << 20
+# Seconds a connection may take to send its request (a stalled client holds one thread).
+REQUEST_TIMEOUT_S = 10.0
+
+
+def register(sub: Any) -> None:
+    """Add ``lookup`` and ``serve-lookup`` to the CLI."""
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--redis-url",
+            default=None,
+            help=f"server (default: $UMBP_REDIS_URL, else {DEFAULT_URL})",
+        )
+        p.add_argument(
+            "--cluster",
+            choices=("auto", "true", "false"),
+            default="auto",
+            help="whether the server is a Redis Cluster node (auto: ask it)",
+        )
+
+    p = sub.add_parser(
+        "lookup", help="how many prefix tokens of a prompt the shared cache holds for a model"
+    )
+    common(p)
+    p.add_argument("--model", required=True, help="the model name the engines serve")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    what.add_argument("--token-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--cache-salt", default=None, help="the requests' cache_salt")
+    p.add_argument("--lora-name", default=None, help="LoRA adapter name (with --lora-path)")
+    p.add_argument("--lora-path", default=None, help="LoRA adapter path as the engines load it")
+    p.add_argument("--namespace", default=None, help="only this namespace")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=cmd_lookup)
+
+    p = sub.add_parser("serve-lookup", help="serve prefix lookups over HTTP (JSON)")
+    common(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8765, help="port to listen on")
+    p.set_defaults(handler=cmd_serve_lookup)
+
+
+def _settings(args: argparse.Namespace) -> RedisSettings:
+    return RedisSettings.from_options({"redis_url": args.redis_url, "cluster": args.cluster})
+
+
+def _lora(name: Any, path: Any) -> tuple[str, str] | None:
+    from umbp_redis.ops.prefix_lookup import BadLookupRequest
+
+    if name is None and path is None:
+        return None
+    if not isinstance(name, str) or not isinstance(path, str):
+        raise BadLookupRequest("a LoRA needs both 'lora_name' and 'lora_path' (strings)")
+    return name, path
+
+
+def cmd_lookup(args: argparse.Namespace) -> int:
+    """One lookup, printed; exit code 0, or 1 with the reason."""
+    from umbp_redis.ops.prefix_lookup import BadLookupRequest, CacheLookup, LookupFailed
+
+    lookup = CacheLookup(_settings(args))
+    try:
+        token_ids = None
+        if args.token_ids is not None:
+            try:
+                token_ids = [int(t) for t in args.token_ids.split(",") if t.strip()]
+            except ValueError:
+                raise BadLookupRequest("--token-ids must be comma-separated integers") from None
+        answer = lookup.lookup(
+            args.model,
+            text=args.prompt,
+            token_ids=token_ids,
+            cache_salt=args.cache_salt,
+            lora=_lora(args.lora_name, args.lora_path),
+            namespace=args.namespace,
+        )
+    except LookupFailed as e:
+        print(f"umbp-redis lookup: {e}", file=sys.stderr)
+        return 1
+    finally:
+        lookup.close()
+    if args.json:
+        print(json.dumps(answer.to_dict()))
+    else:
+        _print_answer(answer)
+    return 0
+
+
+def _print_answer(answer: LookupAnswer) -> None:
+    print(f"model          {answer.model}")
+    print(f"prompt tokens  {answer.prompt_tokens}")
+    print(f"cached tokens  {answer.cached_tokens}")
+    for ns in answer.namespaces:
+        print(f"  namespace {ns.namespace}: {ns.cached_tokens} tokens ({ns.cached_blocks} blocks)")
+
+
+def answer_request(lookup: CacheLookup, body: Any) -> dict[str, Any]:
+    """The answer to one ``POST /lookup`` body (parsed JSON); raises ``LookupFailed``."""
+    from umbp_redis.ops.prefix_lookup import BadLookupRequest
+
+    if not isinstance(body, dict):
+        raise BadLookupRequest("the body must be a JSON object")
+    unknown = set(body) - {
+        "model",
+        "prompt",
+        "token_ids",
+        "cache_salt",
+        "lora_name",
+        "lora_path",
+        "namespace",
+    }
+    if unknown:
+        raise BadLookupRequest(f"unknown fields {sorted(unknown)}")
+    namespace = body.get("namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise BadLookupRequest("'namespace' must be a string")
+    return lookup.lookup(
+        body.get("model"),  # type: ignore[arg-type]
+        text=body.get("prompt"),
+        token_ids=body.get("token_ids"),
+        cache_salt=body.get("cache_salt"),
+        lora=_lora(body.get("lora_name"), body.get("lora_path")),
+        namespace=namespace,
+    ).to_dict()
+
+
+def make_server(lookup: CacheLookup, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server answering lookups with ``lookup`` (not started: ``serve_forever``)."""
+    from umbp_redis.ops.prefix_lookup import LookupFailed
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S
+        protocol_version = "HTTP/1.1"
+
+        def _send(self, status: int, payload: Any) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/health":
+                self._send(200, {"ok": True})
+            elif self.path == "/models":
+                try:
+                    records = lookup.records()
+                except LookupFailed as e:
+                    self._send(e.status, {"error": str(e)})
+                    return
+                self._send(200, {"models": [json.loads(r.to_json()) for r in records.values()]})
+            else:
+                self._send(404, {"error": f"no such path {self.path!r}: POST /lookup"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/lookup":
+                self._send(404, {"error": f"no such path {self.path!r}: POST /lookup"})
+                return
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self._send(411, {"error": "a Content-Length header is needed"})
+                return
+            if length < 0 or length > MAX_BODY_BYTES:
+                self.close_connection = True
+                self._send(413, {"error": f"a body of {length} bytes is over {MAX_BODY_BYTES}"})
+                return
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                self._send(400, {"error": f"the body is not JSON: {e}"})
+                return
+            try:
+                self._send(200, answer_request(lookup, body))
+            except LookupFailed as e:
+                self._send(e.status, {"error": str(e)})
+            except Exception as e:  # a bug: said as such, the server keeps serving
+                log.exception("umbp-redis serve-lookup: internal error")
+                self._send(500, {"error": f"internal error: {e!r}"})
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            log.debug("serve-lookup: " + format, *args)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def cmd_serve_lookup(args: argparse.Namespace) -> int:
+    """Serve until interrupted."""
+    from umbp_redis.ops.prefix_lookup import CacheLookup
+
+    lookup = CacheLookup(_settings(args))
+    server = make_server(lookup, args.host, args.port)
+    print(f"umbp-redis: serving prefix lookups on http://{args.host}:{args.port}/lookup")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        lookup.close()
+    return 0
