@@ -101,8 +101,8 @@ def test_engines_with_other_model_settings_never_share_objects(
     doctor = cli("doctor", "--redis-url", server.url)
     assert doctor.returncode == 0 and "reachable" in doctor.stdout
     purge = cli("purge", "--namespace", new_ns, "--yes", "--redis-url", server.url, "--json")
-    # Its values and their stored markers, one each a block at TP=1.
-    assert json.loads(purge.stdout)["deleted"] == 2 * stats["namespaces"][new_ns]["keys"]
+    # Its values and their stored markers, one each a block at TP=1, and its record.
+    assert json.loads(purge.stdout)["deleted"] == 2 * stats["namespaces"][new_ns]["keys"] + 1
     left = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
     assert left == before  # the other engine's objects are intact
     assert not list(r.scan_iter(match=f"umbp:vllm:v2:{new_ns}:*"))

@@ -62,6 +62,7 @@ class ScriptedDataPlane:
         self.asked: dict[str, int] = {}  # request counters by key
         self.codec: BlockIdentityCodec | None = None
         self.markers: set[str] = set()  # markers written by run_keyed
+        self.records: dict[str, bytes] = {}  # namespace records written by run_keyed
         self.keyed: list[list[bytes]] = []  # every run_keyed call's commands, parsed
 
     def has(self, key: str) -> bool:
@@ -82,7 +83,10 @@ class ScriptedDataPlane:
             (cmd,) = parse_commands(buf)
             self.keyed.append(cmd)
             key = cmd[1].decode()
-            if cmd[0] == b"SET":
+            if cmd[0] == b"SET" and key.endswith(":model"):
+                self.records[key] = cmd[2]
+                out.append(1)
+            elif cmd[0] == b"SET":
                 self.markers.add(key)
                 out.append(1)
             elif cmd[0] == b"UNLINK":
@@ -1364,6 +1368,43 @@ def _report(s: UMBPScheduler, results: dict[int, StoreEventResult], **meta: Any)
             kv_connector_worker_meta=UMBPConnectorWorkerMetadata(results, **meta),
         )
     )
+
+
+def test_the_namespace_record_is_published_from_the_marker_thread_once_a_minute(
+    model_config: ModelConfig,
+) -> None:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    from umbp_redis.data.lookup_record import NamespaceRecord
+    from umbp_redis.engine import namespace_advert
+    from umbp_redis.store.settings import OPTIONS_BY_NAME
+
+    init_none_hash(sha256)  # as vLLM's engine core does before the first step
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane)
+    now = [1000.0]
+    s.advert.clock = lambda: now[0]
+    s.build_connector_meta(_step())
+    assert s.markers.flush(5)
+    (blob,) = plane.records.values()
+    rec = NamespaceRecord.from_json(blob)
+    assert rec.namespace == "unit" and rec.serves(str(model_config.model))
+    assert (rec.block_size, rec.hash_algo, rec.reproducible) == (BS, "sha256", True)
+    assert [g.kind for g in rec.groups] == ["full_attention"]
+    sets = [c for c in plane.keyed if c[0] == b"SET" and c[1].endswith(b":model")]
+    ttl = str(OPTIONS_BY_NAME["ttl_seconds"].default).encode()
+    assert len(sets) == 1 and sets[0][3:] == [b"EX", ttl]
+    s.build_connector_meta(_step())  # within the minute: not again
+    now[0] += namespace_advert.REFRESH_S
+    s.build_connector_meta(_step())
+    assert s.markers.flush(5)
+    assert len([c for c in plane.keyed if c[0] == b"SET" and c[1].endswith(b":model")]) == 2
+    # A consumer stores nothing, its record included.
+    consumer_plane = ScriptedDataPlane()
+    c = make_scheduler(model_config, consumer_plane, role="kv_consumer")
+    c.build_connector_meta(_step())
+    assert c.markers.flush(5) and consumer_plane.records == {}
 
 
 def test_a_block_is_marked_stored_once_every_rank_reported_it_and_none_failed(
