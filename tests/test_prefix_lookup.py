@@ -262,3 +262,28 @@ def test_the_cli_answers_one_lookup(redis_url: str) -> None:
     assert json.loads(out.stdout)["cached_tokens"] == 3 * BS
     out = cli("lookup", "--redis-url", redis_url, "--model", "nope", "--token-ids", ids)
     assert out.returncode == 1 and "no engine has published a namespace" in out.stderr
+
+
+def test_the_documented_lookup_acl_is_enough(redis_url: str) -> None:
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    (line,) = re.findall(r"^ACL SETUSER lookup .*$", docs, flags=re.M)
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command("ACL", "SETUSER", *line.replace("SECRET", "lk-pw").split()[2:])
+    tokens = list(range(7, 7 + 4 * BS))
+    _publish(redis_url, make_record(), tokens, 2)
+    settings = RedisSettings.from_url(
+        redis_url.replace("redis://", "redis://lookup@"), password="lk-pw"
+    )
+    lookup = CacheLookup(settings)
+    try:
+        assert lookup.lookup("tiny", token_ids=tokens).cached_tokens == 2 * BS
+        # It may read, not write.
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            lookup._redis().set(record_key("nsA"), b"x")
+    finally:
+        lookup.close()
+        admin.execute_command("ACL", "DELUSER", "lookup")
+        admin.close()
