@@ -1,4 +1,5 @@
-"""vLLM plugin hook: makes ``"kv_connector": "UMBPRedisConnector"`` work without a module path.
+"""vLLM plugin hook: makes ``"kv_connector": "UMBPRedisConnector"`` work without a module
+path, and ``{"type": "umbp_redis"}`` a secondary tier of vLLM's offloading.
 
 Registered as the ``vllm.general_plugins`` entry point ``umbp_redis``; vLLM calls
 ``register`` in every process it starts.
@@ -8,10 +9,19 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Register the connector name with vLLM's connector factory (idempotent)."""
+    """Register the connector name with vLLM's connector factory and the tier type with
+    its secondary tier factory (idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if "UMBPRedisConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(
             "UMBPRedisConnector", "umbp_redis.connector", "UMBPRedisConnector"
+        )
+    try:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError:  # a vLLM without offloading tiers: the connector alone
+        return
+    if "umbp_redis" not in SecondaryTierFactory._registry:
+        SecondaryTierFactory.register_tier(
+            "umbp_redis", "umbp_redis.engine.redis_tier", "UMBPRedisTier"
         )

@@ -11,8 +11,8 @@ namespaces), ``groups`` (what each cache group needs for a hit), ``keys`` (the k
 schema, light: no torch or vLLM) and ``codec`` (keys of blocks), ``ranges`` and
 ``layout`` (object layouts and range templates), ``plans`` (transfers), ``state``
 (request state), ``metadata`` (what crosses processes), ``lookup_record`` (what a
-lookup outside the engine needs of a namespace). ``from umbp_redis.data import
-NAME`` works for every public name; the submodule is
+lookup outside the engine needs of a namespace), ``chunks`` (vLLM offloading chunks).
+``from umbp_redis.data import NAME`` works for every public name; the submodule is
 imported on first use, so reading keys (``umbp_redis.data.keys``) stays light.
 """
 
