@@ -25,7 +25,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 
 
 def tenant_acl(tenant: str, password: str) -> list[str]:
-    """The documented tenant ACL (docs/operations.md, "Tenants") for ``tenant``."""
+    """``ACL SETUSER``'s arguments (user name and rules) of the documented tenant ACL
+    (docs/operations.md, "Tenants") for ``tenant``."""
     text = DOCS.read_text()
     (line,) = re.findall(r"^ACL SETUSER TENANT .*$", text, flags=re.M)
     line = line.replace("TENANT", tenant).replace("SECRET", password)
@@ -43,7 +44,7 @@ def test_a_tenant_acl_admits_its_own_namespace_and_refuses_anothers(
     with EmbeddedRedis() as srv:
         admin = redis.Redis(port=srv.port)
         for tenant, pw in (("tenant-a", "pw-a"), ("tenant-b", "pw-b")):
-            admin.execute_command("ACL", "SETUSER", tenant, *tenant_acl(tenant, pw))
+            admin.execute_command("ACL", "SETUSER", *tenant_acl(tenant, pw))
         base = run_engine(
             work, "base", tiny_model, None, [{"op": "generate", "name": "g", "prompts": PROMPTS}]
         )
