@@ -69,6 +69,16 @@ TIER_OPTIONS = frozenset({"enable_kv_events", "locality", "transfer_threads"})
 DEFAULT_TRANSFER_THREADS = 2
 
 
+def _take_all(q: queue.SimpleQueue[Any]) -> list[Any]:
+    """Everything queued in ``q`` now, in order (other threads may keep adding)."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
+
+
 class _RedisChunkLookups(AsyncLookupManager):
     """vLLM's async lookup thread, asking Redis whether chunks exist (one round trip)."""
 
@@ -290,12 +300,7 @@ class UMBPRedisTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Jobs finished since the last call."""
-        out = []
-        while True:
-            try:
-                out.append(self._finished.get_nowait())
-            except queue.Empty:
-                return out
+        return _take_all(self._finished)
 
     def has_pending_work(self) -> bool:
         """Whether stores, loads or refreshes are still running."""
@@ -304,12 +309,7 @@ class UMBPRedisTier(SecondaryTierManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Stored-chunk events since the last call (with ``enable_kv_events``)."""
-        out = []
-        while True:
-            try:
-                out.append(self._events.get_nowait())
-            except queue.Empty:
-                return out
+        return _take_all(self._events)
 
     def drain_jobs(self) -> None:
         """Wait for every submitted job (each ends within the store's timeouts)."""

@@ -58,23 +58,28 @@ def _server_tested(name: str) -> bool:
         return False
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """``--redis-url`` and ``--cluster``: which server a verb talks to."""
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help=f"server (default: $UMBP_REDIS_URL, else {DEFAULT_URL})",
+    )
+    p.add_argument(
+        "--cluster",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="whether the server is a Redis Cluster node (auto: ask it); on a cluster "
+        "every verb covers every master",
+    )
+
+
 def register(sub: Any) -> None:
     """Add the operator verbs to the CLI."""
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--redis-url",
-            default=None,
-            help=f"server (default: $UMBP_REDIS_URL, else {DEFAULT_URL})",
-        )
+        add_server_args(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument(
-            "--cluster",
-            choices=("auto", "true", "false"),
-            default="auto",
-            help="whether the server is a Redis Cluster node (auto: ask it); on a cluster "
-            "every verb covers every master",
-        )
 
     p = sub.add_parser("ls", help="list namespaces and keys with their decoded fields")
     common(p)

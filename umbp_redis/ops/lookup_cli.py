@@ -18,7 +18,7 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from umbp_redis.store.settings import DEFAULT_URL, RedisSettings
+from umbp_redis.store.settings import RedisSettings
 
 if TYPE_CHECKING:  # imported when used: it pulls in torch, which the CLI's help need not
     from umbp_redis.ops.prefix_lookup import CacheLookup, LookupAnswer
@@ -34,19 +34,7 @@ REQUEST_TIMEOUT_S = 10.0
 
 def register(sub: Any) -> None:
     """Add ``lookup`` and ``serve-lookup`` to the CLI."""
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--redis-url",
-            default=None,
-            help=f"server (default: $UMBP_REDIS_URL, else {DEFAULT_URL})",
-        )
-        p.add_argument(
-            "--cluster",
-            choices=("auto", "true", "false"),
-            default="auto",
-            help="whether the server is a Redis Cluster node (auto: ask it)",
-        )
+    from umbp_redis.ops.admin import add_server_args as common
 
     p = sub.add_parser(
         "lookup", help="how many prefix tokens of a prompt the shared cache holds for a model"
