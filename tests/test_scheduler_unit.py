@@ -1292,6 +1292,44 @@ def test_a_failed_sync_load_takes_its_blocks_out_of_vllms_prefix_cache(
     assert s.loads.uncached_blocks == 5  # the request's blocks from the load on
 
 
+@pytest.mark.parametrize("outputs_after_load", [0, 1])
+def test_a_request_ended_before_its_sync_load_was_confirmed_leaves_no_cached_block(
+    model_config: ModelConfig, outputs_after_load: int
+) -> None:
+    """A request aborted after the step of its sync load but before vLLM applied that
+    step's output (async scheduling) has output no token since: its loaded blocks may
+    hold bytes that are not their KV, and nothing will report the failure (the request
+    is gone), so they leave vLLM's prefix cache when it ends. One that output a token
+    since had its load confirmed: its blocks stay cached."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    plane = ScriptedDataPlane()
+    s = make_scheduler(model_config, plane, load_async="auto")
+    pool = BlockPool(16, enable_caching=True, hash_block_size=BS)
+    s.bind_block_pool(pool)
+    req = request(5 * BS + 40)
+    req.all_token_ids = list(range(5 * BS + 40))  # type: ignore[attr-defined]
+    req.num_output_tokens = 0  # type: ignore[attr-defined]
+    assert s.codec is not None
+    plane.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
+    assert s.get_num_new_matched_tokens(req, BS) == (2 * BS, False)
+    blocks = pool.get_new_blocks(6)
+    ids = [b.block_id for b in blocks]
+    s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 2 * BS)  # type: ignore[arg-type]
+    pool.cache_full_blocks(req, blocks, 0, 5, BS, 0)  # type: ignore[arg-type]
+    meta = s.build_connector_meta(_step(new=[("r1", (ids,), 3 * BS)], sched={"r1": 2 * BS + 40}))
+    assert meta.loads[0].load_async is False
+    req.num_output_tokens = outputs_after_load  # type: ignore[attr-defined]
+    s.request_finished(req)  # type: ignore[arg-type]
+    assert blocks[0].block_hash is not None  # before the load: vLLM's own
+    if outputs_after_load:
+        assert all(b.block_hash is not None for b in blocks[1:5])
+        assert s.loads.uncached_blocks == 0
+    else:
+        assert all(b.block_hash is None for b in blocks[1:5])
+        assert s.loads.uncached_blocks == 5
+
+
 def test_with_an_admission_rule_a_block_is_stored_once_enough_requests_asked_for_it(
     model_config: ModelConfig,
 ) -> None:

@@ -87,7 +87,7 @@ class LoadPlanner:
         if st.load_async:
             self.pins.pin_load(request.request_id, block_ids)
         else:
-            st.sync_load_from = first
+            self._note_sync_load(st, request, first)
         st.tracker.num_loaded_tokens = tokens
 
     def plan_failed(self, st: RequestState, request: Request, blocks: Any, tokens: int) -> None:
@@ -109,6 +109,28 @@ class LoadPlanner:
                 load_async=st.load_async,
             )
         )
+        if not st.load_async:
+            self._note_sync_load(st, request, first)
+
+    @staticmethod
+    def _note_sync_load(st: RequestState, request: Request, first: int) -> None:
+        """Remember where a sync load starts and how many tokens the request had output
+        then (see ``uncache_unconfirmed_sync_load``)."""
+        st.sync_load_from = first
+        st.sync_load_outputs = int(getattr(request, "num_output_tokens", 0) or 0)
+
+    def uncache_unconfirmed_sync_load(
+        self, st: RequestState, request: Request, groups: list[int]
+    ) -> None:
+        """At a request's end: where it output no token since its last sync load was
+        planned, vLLM has not applied that load's outcome (an abort before the step's
+        output came back); take the load's blocks out of vLLM's prefix cache, as a failed
+        load's, since they may hold bytes that are not their KV."""
+        if st.sync_load_outputs is None:
+            return
+        if int(getattr(request, "num_output_tokens", 0) or 0) > st.sync_load_outputs:
+            return
+        self.uncache_failed_sync_load(st, groups)
 
     def uncache_failed_sync_load(self, st: RequestState, groups: list[int]) -> None:
         """Take a request's blocks from its failed sync load on out of vLLM's prefix

@@ -40,6 +40,9 @@ class RequestState:
     load_failed: bool = False  # a load of it failed on a value that would fail again
     load_async: bool = True  # how the hit of the last lookup answer loads
     sync_load_from: int = 0  # the first block its last sync load loaded
+    # The request's output tokens when its last sync load was planned (None: no sync
+    # load): no output since means vLLM has not confirmed that load yet.
+    sync_load_outputs: int | None = None
     store_hold: int = 0  # steps its stores wait for its last sync load's outcome
     # ((local tokens, hit tokens), tokens offered) of the last load-or-compute decision.
     offer: tuple[tuple[int, int], int] | None = None

@@ -550,6 +550,9 @@ class UMBPScheduler:
         """Forget the request; never delays freeing its blocks (in lazy store mode, its
         blocks may stay pinned until stored, see ``LazyStorePlanner.pin_finishing``)."""
         st = self.requests.pop(request.request_id, None)
+        stopped = getattr(getattr(request, "status", None), "name", "") in _STOPPED_BY_OUTPUT
+        if st is not None and not stopped:  # a stop status means its output was applied
+            self.loads.uncache_unconfirmed_sync_load(st, request, self.groups)
         if st is not None and st.store_hold > 0:
             self._plan_ended_held_stores(st, request)
         if self.lazy is not None and st is not None and self.lazy.has_candidates:
