@@ -1325,9 +1325,15 @@ def test_a_request_ended_before_its_sync_load_was_confirmed_leaves_no_cached_blo
     if outputs_after_load:
         assert all(b.block_hash is not None for b in blocks[1:5])
         assert s.loads.uncached_blocks == 0
+        assert len(s.quarantine) == 0
     else:
         assert all(b.block_hash is None for b in blocks[1:5])
         assert s.loads.uncached_blocks == 5
+        # Its loaded blocks are not offered from Redis either until the quarantine ends
+        # (their markers may outlive values a failed load deleted).
+        assert len(s.quarantine) == 2
+        again = request(5 * BS + 40, rid="r2")
+        assert s.get_num_new_matched_tokens(again, BS) == (0, False)
 
 
 def test_with_an_admission_rule_a_block_is_stored_once_enough_requests_asked_for_it(

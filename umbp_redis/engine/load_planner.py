@@ -121,16 +121,21 @@ class LoadPlanner:
 
     def uncache_unconfirmed_sync_load(
         self, st: RequestState, request: Request, groups: list[int]
-    ) -> None:
+    ) -> list[bytes]:
         """At a request's end: where it output no token since its last sync load was
         planned, vLLM has not applied that load's outcome (an abort before the step's
         output came back); take the load's blocks out of vLLM's prefix cache, as a failed
-        load's, since they may hold bytes that are not their KV."""
+        load's, since they may hold bytes that are not their KV. Returns the hashes of the
+        blocks it loaded (none when the load was confirmed), for the quarantine: a failed
+        load's values may be gone from Redis while their markers are not yet."""
         if st.sync_load_outputs is None:
-            return
+            return []
         if int(getattr(request, "num_output_tokens", 0) or 0) > st.sync_load_outputs:
-            return
+            return []
         self.uncache_failed_sync_load(st, groups)
+        first = st.sync_load_from
+        last = first + st.tracker.num_loaded_tokens // self.hashing.block_size
+        return [h for i in range(first, last) if (h := self.hashing.hash_of(request, i))]
 
     def uncache_failed_sync_load(self, st: RequestState, groups: list[int]) -> None:
         """Take a request's blocks from its failed sync load on out of vLLM's prefix

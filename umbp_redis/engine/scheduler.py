@@ -552,7 +552,8 @@ class UMBPScheduler:
         st = self.requests.pop(request.request_id, None)
         stopped = getattr(getattr(request, "status", None), "name", "") in _STOPPED_BY_OUTPUT
         if st is not None and not stopped:  # a stop status means its output was applied
-            self.loads.uncache_unconfirmed_sync_load(st, request, self.groups)
+            unconfirmed = self.loads.uncache_unconfirmed_sync_load(st, request, self.groups)
+            self.quarantine.add(unconfirmed)
         if st is not None and st.store_hold > 0:
             self._plan_ended_held_stores(st, request)
         if self.lazy is not None and st is not None and self.lazy.has_candidates:
