@@ -1248,12 +1248,12 @@ def test_a_hybrid_model_always_loads_async(model_config: ModelConfig) -> None:
         assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
 
 
-def test_a_failed_sync_load_takes_its_blocks_out_of_vllms_prefix_cache(
+def _a_sync_load_on_a_real_block_pool(
     model_config: ModelConfig,
-) -> None:
-    """vLLM caches a sync load's blocks, and those the step computes after them, before
-    the load runs; when a worker reports the load failed, the scheduler evicts them from
-    vLLM's prefix cache (a real BlockPool), the blocks before the load stay."""
+) -> tuple[UMBPScheduler, FakeRequest, list[Any], UMBPConnectorMetadata]:
+    """A scheduler over vLLM's BlockPool and a request of 5 full blocks, no output yet:
+    block 0 is in vLLM's local cache, blocks 1 and 2 load sync, 3 and 4 are computed;
+    its step planned. Returns (scheduler, request, its 6 blocks, the step's metadata)."""
     from vllm.v1.core.block_pool import BlockPool
 
     plane = ScriptedDataPlane()
@@ -1262,15 +1262,26 @@ def test_a_failed_sync_load_takes_its_blocks_out_of_vllms_prefix_cache(
     s.bind_block_pool(pool)
     req = request(5 * BS + 40)
     req.all_token_ids = list(range(5 * BS + 40))  # type: ignore[attr-defined]
+    req.num_output_tokens = 0  # type: ignore[attr-defined]
     assert s.codec is not None
     plane.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
-    # Block 0 is in vLLM's local cache; blocks 1 and 2 load sync, 3 and 4 are computed.
     assert s.get_num_new_matched_tokens(req, BS) == (2 * BS, False)
     blocks = pool.get_new_blocks(6)
     ids = [b.block_id for b in blocks]
     s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 2 * BS)  # type: ignore[arg-type]
     pool.cache_full_blocks(req, blocks, 0, 5, BS, 0)  # type: ignore[arg-type]
     meta = s.build_connector_meta(_step(new=[("r1", (ids,), 3 * BS)], sched={"r1": 2 * BS + 40}))
+    return s, req, blocks, meta
+
+
+def test_a_failed_sync_load_takes_its_blocks_out_of_vllms_prefix_cache(
+    model_config: ModelConfig,
+) -> None:
+    """vLLM caches a sync load's blocks, and those the step computes after them, before
+    the load runs; when a worker reports the load failed, the scheduler evicts them from
+    vLLM's prefix cache (a real BlockPool), the blocks before the load stay."""
+    s, req, blocks, meta = _a_sync_load_on_a_real_block_pool(model_config)
+    ids = [b.block_id for b in blocks]
     (load,) = meta.loads
     assert load.load_async is False and load.block_ids == tuple(ids[1:3])
     assert all(b.block_hash is not None for b in blocks[:5])
@@ -1301,23 +1312,7 @@ def test_a_request_ended_before_its_sync_load_was_confirmed_leaves_no_cached_blo
     hold bytes that are not their KV, and nothing will report the failure (the request
     is gone), so they leave vLLM's prefix cache when it ends. One that output a token
     since had its load confirmed: its blocks stay cached."""
-    from vllm.v1.core.block_pool import BlockPool
-
-    plane = ScriptedDataPlane()
-    s = make_scheduler(model_config, plane, load_async="auto")
-    pool = BlockPool(16, enable_caching=True, hash_block_size=BS)
-    s.bind_block_pool(pool)
-    req = request(5 * BS + 40)
-    req.all_token_ids = list(range(5 * BS + 40))  # type: ignore[attr-defined]
-    req.num_output_tokens = 0  # type: ignore[attr-defined]
-    assert s.codec is not None
-    plane.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
-    assert s.get_num_new_matched_tokens(req, BS) == (2 * BS, False)
-    blocks = pool.get_new_blocks(6)
-    ids = [b.block_id for b in blocks]
-    s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 2 * BS)  # type: ignore[arg-type]
-    pool.cache_full_blocks(req, blocks, 0, 5, BS, 0)  # type: ignore[arg-type]
-    meta = s.build_connector_meta(_step(new=[("r1", (ids,), 3 * BS)], sched={"r1": 2 * BS + 40}))
+    s, req, blocks, meta = _a_sync_load_on_a_real_block_pool(model_config)
     assert meta.loads[0].load_async is False
     req.num_output_tokens = outputs_after_load  # type: ignore[attr-defined]
     s.request_finished(req)  # type: ignore[arg-type]
