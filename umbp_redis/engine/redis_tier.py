@@ -53,7 +53,6 @@ from umbp_redis.store.settings import (
     REDIS_OPTIONS,
     RedisSettings,
     refuse_secrets,
-    validate_options,
 )
 from umbp_redis.store.value_reads import LoadStatus
 
@@ -118,8 +117,7 @@ class UMBPRedisTier(SecondaryTierManager):
                 f"secondary tier {tier_type!r}: unknown options {sorted(unknown)}; valid: "
                 f"{sorted(store_names | TIER_OPTIONS)}"
             )
-        validate_options({k: v for k, v in options.items() if k in store_names})
-        self.settings = RedisSettings.from_options(
+        self.settings = RedisSettings.from_options(  # validates the values
             {k: v for k, v in options.items() if k in store_names}
         )
         # Events by default where vLLM's --kv-events-config asks the offloading for them.

@@ -75,6 +75,12 @@ _STOPPED_BY_OUTPUT = frozenset(
 )
 
 
+def _stopped_by_output(request: Request) -> bool:
+    """Whether vLLM ended ``request`` while applying a step's output (so it applied the
+    outcome of every load of that step first)."""
+    return getattr(getattr(request, "status", None), "name", "") in _STOPPED_BY_OUTPUT
+
+
 class UMBPScheduler:
     """Decides what each step loads and stores; see the connector for the vLLM hooks."""
 
@@ -550,8 +556,7 @@ class UMBPScheduler:
         """Forget the request; never delays freeing its blocks (in lazy store mode, its
         blocks may stay pinned until stored, see ``LazyStorePlanner.pin_finishing``)."""
         st = self.requests.pop(request.request_id, None)
-        stopped = getattr(getattr(request, "status", None), "name", "") in _STOPPED_BY_OUTPUT
-        if st is not None and not stopped:  # a stop status means its output was applied
+        if st is not None and not _stopped_by_output(request):
             unconfirmed = self.loads.uncache_unconfirmed_sync_load(st, request, self.groups)
             self.quarantine.add(unconfirmed)
         if st is not None and st.store_hold > 0:
@@ -573,7 +578,7 @@ class UMBPScheduler:
         rolled back every request whose load failed: a request stopped that way loaded
         right on every rank, so its blocks are stored (pinned until reported). One that
         ended otherwise (aborted, failed) may not have, and stores nothing."""
-        if getattr(getattr(request, "status", None), "name", "") not in _STOPPED_BY_OUTPUT:
+        if not _stopped_by_output(request):
             return
         if not self.can_store or self.codec is None:
             return

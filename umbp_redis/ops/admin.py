@@ -124,25 +124,33 @@ def _client(args: argparse.Namespace) -> Any:
     and password here as in ``kv_connector_extra_config``; ``$UMBP_REDIS_PASSWORD``
     supplies a password the URL leaves out.
     """
-    import redis
-
     settings = RedisSettings.from_options(
         {"redis_url": args.redis_url, "cluster": getattr(args, "cluster", "auto")}
     )
+    return redispy_client(settings)
+
+
+def redispy_client(
+    settings: RedisSettings, *, socket_timeout: float = 10, connect_timeout: float = 2
+) -> Any:
+    """A redis-py client of the server ``settings`` name: a ``RedisCluster`` where
+    ``cluster`` is true, or is ``auto`` and the server says it is a cluster node."""
+    import redis
+
     kw = settings.redispy_kwargs()
-    kw["socket_connect_timeout"] = 2
-    r = redis.Redis(**kw, socket_timeout=10)
+    kw["socket_connect_timeout"] = connect_timeout
+    r = redis.Redis(**kw, socket_timeout=socket_timeout)
     if settings.scheme == "unix" or settings.cluster == "off":
         return r
     if settings.cluster == "auto":
         try:
             if not int(r.info("cluster").get("cluster_enabled", 0)):
                 return r
-        except redis.RedisError:  # unreachable or INFO refused: the verb reports it
+        except redis.RedisError:  # unreachable or INFO refused: the caller reports it
             return r
     r.close()
     kw.pop("db", None)
-    return redis.RedisCluster(**kw, socket_timeout=10)
+    return redis.RedisCluster(**kw, socket_timeout=socket_timeout)
 
 
 def _is_cluster(r: Any) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 
 from umbp_redis.data import BlockIdentityCodec, CacheGroupReach
 from umbp_redis.data.lookup_record import NamespaceRecord, record_key, record_pattern
+from umbp_redis.ops.admin import redispy_client
 from umbp_redis.store.deployment import DataPlane, open_plane
 from umbp_redis.store.settings import RedisSettings
 
@@ -170,15 +171,11 @@ class CacheLookup:
 
     def _redis(self) -> Any:
         if self._client is None:
-            import redis
-
-            kw = self.settings.redispy_kwargs()
-            t = self.settings.op_timeout_s
-            if self.settings.cluster == "on" or self._plane.lookup_mode == "cluster":
-                kw.pop("db", None)
-                self._client = redis.RedisCluster(**kw, socket_timeout=t)
-            else:
-                self._client = redis.Redis(**kw, socket_timeout=t)
+            self._client = redispy_client(
+                self.settings,
+                socket_timeout=self.settings.op_timeout_s,
+                connect_timeout=self.settings.connect_timeout_s,
+            )
         return self._client
 
     def records(self, *, refresh: bool = False) -> dict[str, NamespaceRecord]:
@@ -283,8 +280,14 @@ class CacheLookup:
                 raise UnknownModel(f"namespace {namespace!r} does not serve model {model!r}")
         answers = []
         n_tokens = 0
+        given = list(token_ids) if token_ids is not None else None
+        by_tokenizer: dict[str, list[int]] = {}
         for rec in records:
-            ids = list(token_ids) if token_ids is not None else self.tokenize(rec, text or "")
+            ids = given
+            if ids is None:
+                ids = by_tokenizer.get(rec.tokenizer)
+                if ids is None:
+                    ids = by_tokenizer[rec.tokenizer] = self.tokenize(rec, text or "")
             if len(ids) > MAX_PROMPT_TOKENS:
                 raise BadLookupRequest(f"a prompt of {len(ids)} tokens is over {MAX_PROMPT_TOKENS}")
             n_tokens = len(ids)
