@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -218,3 +219,106 @@ def check_stored_markers(plane: Any, client: Any, ttl: int = 100) -> None:
     assert not client.exists(marker(5)) and client.exists(marker(6))
     assert (markers.written, markers.stale, markers.failed) == (39, 1, 0)
     markers.close()
+
+
+def check_fleet_feed(plane: Any, client: Any) -> None:
+    """Two engines' fleet block feeds against a real data plane (``client``: a redis-py
+    client of the same server or cluster): what A announces reaches B's events as
+    external blocks (its own entries never come back to A), B's credits follow A's
+    removals and the markers' disappearance, and a late engine C learns only the blocks
+    whose markers are still there."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from umbp_redis.data import BlockIdentityCodec
+    from umbp_redis.engine.fleet_blocks import FleetBlockFeed
+    from umbp_redis.engine.kv_events import EventBlock, GroupSpecInfo
+
+    codec = BlockIdentityCodec("fleet")
+    specs = {0: GroupSpecInfo("full_attention", None)}
+
+    def feed(name: str) -> FleetBlockFeed:
+        f = FleetBlockFeed(
+            plane,
+            codec,
+            name,
+            4,
+            specs,
+            ttl_s=100,
+            timeout_s=5.0,
+            poll_interval_s=0.01,
+            verify_interval_s=0.05,
+            verify_grace_s=0.0,
+        )
+        f.start()
+        return f
+
+    raw = [bytes([i + 1]) * 32 for i in range(6)]
+    hashes: list[Any] = [maybe_convert_block_hash(h) for h in raw]  # type: ignore[arg-type]
+    blocks = [
+        EventBlock(
+            h,
+            raw[i - 1] if i else None,
+            tuple(range(4 * i, 4 * i + 4)),
+            0,
+            ("salt-a",) if i == 0 else None,
+        )
+        for i, h in enumerate(raw)
+    ]
+    for h in raw[:5]:  # block 5 is announced but its marker never written
+        client.set(codec.marker_key(h, 0), b"1", ex=100)
+    a, b = feed("engine-a"), feed("engine-b")
+    wait_for_events(b, lambda evs: b.caught_up)  # what A announces next is live for B
+    stored = wait_for_events(
+        b,
+        lambda evs: sum(e.block_hashes[0] in hashes for e in evs) >= 6,
+        lambda: a.announce_stored(blocks),
+    )
+    by_hash = {e.block_hashes[0]: e for e in stored if type(e).__name__ == "BlockStored"}
+    assert sorted(by_hash) == sorted(hashes)
+    for i, h in enumerate(hashes):
+        ev = by_hash[h]
+        assert (ev.ownership, ev.medium, ev.locality) == ("umbp-redis", "REDIS", "REMOTE")
+        assert ev.parent_block_hash == (hashes[i - 1] if i else None)
+        assert ev.token_ids == list(range(4 * i, 4 * i + 4)) and ev.block_size == 4
+        assert ev.extra_keys == [("salt-a",) if i == 0 else None]
+        assert ev.kv_cache_spec_kind == "full_attention" and ev.group_idx == 0
+    assert b.credits((raw[0], 0)) and b.relayed == 6 and a.relayed == 0
+    assert a.take() == []  # A's own entries never come back as A's events
+    # A finds block 0 gone (and its marker goes); block 5's marker never existed: the
+    # check finds it.
+    client.delete(codec.marker_key(raw[0], 0))
+    removed = wait_for_events(
+        b,
+        lambda evs: {h for e in evs for h in e.block_hashes} >= {hashes[0], hashes[5]},
+        lambda: a.announce_removed([raw[0]], [0]),
+    )
+    assert all(type(e).__name__ == "BlockRemoved" and e.ownership == "umbp-redis" for e in removed)
+    client.delete(codec.marker_key(raw[1], 0))  # expired or evicted, say
+    removed = wait_for_events(b, lambda evs: any(hashes[1] in e.block_hashes for e in evs))
+    assert not b.credits((raw[1], 0)) and b.credits((raw[2], 0))
+    # A late engine learns blocks 2-4: 0 and 1 were removed, 5 never had a marker.
+    c = feed("engine-c")
+    late = wait_for_events(c, lambda evs: len(evs) >= 3)
+    assert sorted(e.block_hashes[0] for e in late) == sorted(hashes[2:5])
+    assert a.failures == b.failures == c.failures == 0
+    for f in (a, b, c):
+        f.close()
+
+
+def wait_for_events(
+    feed: Any,
+    done: Any,
+    action: Any = None,
+    timeout_s: float = 20.0,
+) -> list[Any]:
+    """Run ``action`` (if given), then take ``feed``'s events until ``done(events)``
+    holds for all taken so far; fails after ``timeout_s``."""
+    if action is not None:
+        action()
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(got):
+        assert time.monotonic() < deadline, f"events so far: {got}"
+        got += feed.take()
+        time.sleep(0.01)  # polls a condition, with the deadline above
+    return got

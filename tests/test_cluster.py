@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from helpers import check_stored_markers, cli, documented_acl, fill
+from helpers import check_fleet_feed, check_stored_markers, cli, documented_acl, fill
 from typed_redis import raw
 
 from umbp_redis.data.keys import KEY_PREFIX
@@ -346,6 +346,17 @@ def test_stored_markers_are_written_refreshed_and_removed_on_every_master(
     check_stored_markers(plane, rc)
     masters = {rc.get_node_from_key(k).name for k in rc.scan_iter(match="*:stored:*")}
     assert len(masters) == 3  # the markers spread over the masters, each sent to its own
+    assert plane.counters()["cluster_node_failures"] == 0
+    rc.close()
+    plane.close()
+
+
+def test_fleet_announcements_reach_every_engine_on_a_cluster(
+    clean_cluster: EmbeddedCluster,
+) -> None:
+    plane = cluster_plane(clean_cluster.url)
+    rc = clean_cluster.cluster_client()
+    check_fleet_feed(plane, rc)
     assert plane.counters()["cluster_node_failures"] == 0
     rc.close()
     plane.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -64,6 +65,7 @@ class ScriptedDataPlane:
         self.markers: set[str] = set()  # markers written by run_keyed
         self.records: dict[str, bytes] = {}  # namespace records written by run_keyed
         self.keyed: list[list[bytes]] = []  # every run_keyed call's commands, parsed
+        self.stream: list[list[bytes]] = []  # XADD commands of the fleet's announcements
 
     def has(self, key: str) -> bool:
         """Whether ``key`` (a value key or a stored marker) is present."""
@@ -89,12 +91,21 @@ class ScriptedDataPlane:
             elif cmd[0] == b"SET":
                 self.markers.add(key)
                 out.append(1)
+            elif cmd[0] == b"XADD":
+                self.stream.append(cmd)
+                out.append(1)
+            elif key.endswith(":announced"):  # EXPIRE of the announcement stream
+                out.append(1)
             elif cmd[0] == b"UNLINK":
                 out.append(int(self.has(key)))
                 self.markers.discard(key)
             else:  # EXPIRE / TOUCH of a value key
                 out.append(int(self.has(key)))
         return out
+
+    def query_keyed(self, key: bytes, command: bytes, *, timeout: float) -> Any:
+        """XRANGE of the announcement stream: no other engine's entries."""
+        return None if self.fail else []
 
     lookup_mode = "standalone"
 
@@ -779,6 +790,7 @@ def test_kv_events_say_stored_once_every_worker_stored_and_removed_when_deleted(
     assert {e.medium for e in events} == {"REDIS"} and {e.group_idx for e in events} == {0}
     # A shared tier, with what a router needs to index the blocks as vLLM's own.
     assert {e.locality for e in events} == {"REMOTE"}
+    assert {e.ownership for e in events} == {"umbp-redis"}  # an external tier to routers
     assert {e.kv_cache_spec_kind for e in events} == {"full_attention"}
     assert {e.kv_cache_spec_sliding_window for e in events} == {None}
     assert [e.extra_keys for e in events] == [[None]] * 3 and {e.block_size for e in events} == {BS}
@@ -816,6 +828,21 @@ def test_kv_events_say_stored_once_every_worker_stored_and_removed_when_deleted(
     eid = meta.stores[0].event_id
     report(StoreEventResult(eid, 2))
     assert [e.extra_keys for e in s.take_events()] == [[("tenant-a",)], [None]]
+    # Every announcement went to the namespace's stream too, for the other engines.
+    from umbp_redis.data.announcements import parse_announcement
+
+    assert s.fleet is not None
+    deadline = time.monotonic() + 20
+    while s.fleet.announced < 7:  # 3 stored, 1 removed, 1 stored again, 2 salted
+        assert time.monotonic() < deadline and s.fleet.failures == 0
+        time.sleep(0.01)  # polls a condition, with the deadline above
+    anns = [parse_announcement(cmd[6:]) for cmd in s.plane.stream]  # type: ignore[attr-defined]
+    assert [(a.stored, a.block_hash) for a in anns if a is not None] == [
+        (True, h) for h in req.block_hashes[:3]
+    ] + [(False, req.block_hashes[1]), (True, req.block_hashes[1])] + [
+        (True, h) for h in salted.block_hashes
+    ]
+    assert {a.engine for a in anns if a is not None} == {s.fleet.engine_id}
 
 
 def test_blocks_in_the_local_cache_or_planned_this_step_are_not_stored_twice(

@@ -4,12 +4,16 @@ Active only with vLLM's ``--kv-events-config``. A store event's blocks are annou
 (``BlockStored``) once every worker reported the event and none failed; values found
 missing, or invalid and deleted, are announced removed (``BlockRemoved``, one event per
 cache group). Both say ``locality="REMOTE"`` (a tier shared by the fleet, not this
-engine's memory) and the medium ``REDIS``. A store event carries what a router needs to
+engine's memory), the medium ``REDIS`` and ``ownership="umbp-redis"`` (routers such as
+vllm-router score a block with an ownership as an external tier, below the engine's own
+memory). A store event carries what a router needs to
 index the block as vLLM's own block pool publishes it: token ids, parent hash, block
 size, the LoRA, the extra keys of the block's hash (LoRA name, multimodal identifiers,
 ``cache_salt``, prompt-embedding digests, untagged as vLLM publishes them), the cache
 group and its spec kind and sliding window. A block stored again within
-``ANNOUNCE_WINDOW_S`` is not announced again.
+``ANNOUNCE_WINDOW_S`` is not announced again, unless it was announced removed since.
+With a ``FleetBlockFeed`` the same announcements go to the namespace's other engines,
+and theirs come back as this engine's events (see ``umbp_redis.engine.fleet_blocks``).
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from umbp_redis.engine.fleet_blocks import FleetBlockFeed
+
 # The "medium" of this connector's KV cache events.
 KV_EVENTS_MEDIUM = "REDIS"
 # Where the blocks are, relative to the engine publishing the events: shared, not its own.
 KV_EVENTS_LOCALITY = "REMOTE"
+# The tier the events name: routers credit a block with an ownership as external.
+KV_EVENTS_OWNERSHIP = "umbp-redis"
 # A block stored again within this many seconds is not announced again.
 ANNOUNCE_WINDOW_S = 60.0
 # Store events whose blocks are kept for their KV cache event at most, and blocks whose
@@ -112,6 +120,46 @@ def event_blocks(
     return out
 
 
+def stored_event(block: EventBlock, block_size: int, spec: GroupSpecInfo) -> Any:
+    """The ``BlockStored`` event of one block in Redis."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return BlockStored(
+        block_hashes=[maybe_convert_block_hash(block.block_hash)],  # type: ignore[arg-type]
+        parent_block_hash=(
+            maybe_convert_block_hash(block.parent_hash)  # type: ignore[arg-type]
+            if block.parent_hash is not None
+            else None
+        ),
+        token_ids=list(block.token_ids),
+        block_size=block_size,
+        lora_id=block.lora_id,
+        medium=KV_EVENTS_MEDIUM,
+        lora_name=block.lora_name,
+        extra_keys=[block.extra_keys],
+        group_idx=block.group,
+        kv_cache_spec_kind=spec.kind,
+        kv_cache_spec_sliding_window=spec.sliding_window,
+        locality=KV_EVENTS_LOCALITY,
+        ownership=KV_EVENTS_OWNERSHIP,
+    )
+
+
+def removed_event(hashes: Sequence[bytes], group: int) -> Any:
+    """The ``BlockRemoved`` event of blocks of one cache group gone from Redis."""
+    from vllm.distributed.kv_events import BlockRemoved
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return BlockRemoved(
+        block_hashes=[maybe_convert_block_hash(h) for h in hashes],  # type: ignore[arg-type]
+        medium=KV_EVENTS_MEDIUM,
+        group_idx=group,
+        locality=KV_EVENTS_LOCALITY,
+        ownership=KV_EVENTS_OWNERSHIP,
+    )
+
+
 @dataclass
 class _PendingStore:
     """A store event's blocks, waiting for every worker's report."""
@@ -130,11 +178,13 @@ class StoredBlockEvents:
         num_workers: int,
         group_specs: Mapping[int, GroupSpecInfo] | None = None,
         *,
+        feed: FleetBlockFeed | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.num_workers = num_workers
         self.group_specs = dict(group_specs or {})
+        self.feed = feed
         self._clock = clock
         self._pending: OrderedDict[int, _PendingStore] = OrderedDict()
         # (block hash, group) -> when announced.
@@ -150,7 +200,8 @@ class StoredBlockEvents:
 
     def note_store_report(self, event_id: int, finished: int, failed: bool) -> None:
         """Count ``finished`` worker reports of a store event; once every worker reported
-        and none failed, its blocks are in Redis on every rank: announce them."""
+        and none failed, its blocks are in Redis on every rank: announce them (to the
+        fleet too, with a feed)."""
         info = self._pending.get(event_id)
         if info is None:
             return
@@ -161,64 +212,43 @@ class StoredBlockEvents:
         del self._pending[event_id]
         if info.failed:
             return
-        from vllm.distributed.kv_events import BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
         now = self._clock()
+        announced = []
         for b in info.blocks:
             key = (b.block_hash, b.group)
             seen = self._announced.get(key)
-            if seen is not None and now - seen < ANNOUNCE_WINDOW_S:
+            if (
+                seen is not None
+                and now - seen < ANNOUNCE_WINDOW_S
+                and (self.feed is None or self.feed.credits(key))
+            ):
                 continue
             self._announced[key] = now
             self._announced.move_to_end(key)
             while len(self._announced) > MAX_TRACKED_STORE_EVENTS:
                 self._announced.popitem(last=False)
             spec = self.group_specs.get(b.group, GroupSpecInfo(None, None))
-            self._events.append(
-                BlockStored(
-                    block_hashes=[maybe_convert_block_hash(b.block_hash)],  # type: ignore[arg-type]
-                    parent_block_hash=(
-                        maybe_convert_block_hash(b.parent_hash)  # type: ignore[arg-type]
-                        if b.parent_hash is not None
-                        else None
-                    ),
-                    token_ids=list(b.token_ids),
-                    block_size=self.block_size,
-                    lora_id=b.lora_id,
-                    medium=KV_EVENTS_MEDIUM,
-                    lora_name=b.lora_name,
-                    extra_keys=[b.extra_keys],
-                    group_idx=b.group,
-                    kv_cache_spec_kind=spec.kind,
-                    kv_cache_spec_sliding_window=spec.sliding_window,
-                    locality=KV_EVENTS_LOCALITY,
-                )
-            )
+            self._events.append(stored_event(b, self.block_size, spec))
+            announced.append(b)
+        if self.feed is not None and announced:
+            self.feed.announce_stored(announced)
 
     def note_removed(self, hashes: Sequence[bytes], groups: Sequence[int]) -> None:
         """Announce blocks whose values were found missing, or invalid and deleted (one
-        event per group of ``groups``); a block stored again afterwards is announced
-        again."""
+        event per group of ``groups``; to the fleet too, with a feed); a block stored
+        again afterwards is announced again."""
         if not hashes:
             return
         for h in hashes:
             for g in groups:
                 self._announced.pop((h, g), None)
-        from vllm.distributed.kv_events import BlockRemoved
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-        for g in groups:
-            self._events.append(
-                BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(h) for h in hashes],  # type: ignore[arg-type]
-                    medium=KV_EVENTS_MEDIUM,
-                    group_idx=g,
-                    locality=KV_EVENTS_LOCALITY,
-                )
-            )
+        self._events.extend(removed_event(hashes, g) for g in groups)
+        if self.feed is not None:
+            self.feed.announce_removed(hashes, groups)
 
     def take(self) -> list[Any]:
-        """The events since the last call."""
+        """The events since the last call: this engine's, then the fleet's (with a feed)."""
         events, self._events = self._events, []
+        if self.feed is not None:
+            events += self.feed.take()
         return events

@@ -137,6 +137,16 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "(0: no quarantine). At most 65536 blocks are remembered.",
         minimum=0.0,
     ),
+    Option(
+        "fleet_events",
+        bool,
+        True,
+        "With vLLM's --kv-events-config: this engine's KV events also announce the blocks "
+        "the namespace's other engines stored in Redis (any engine can load them), read "
+        "from the namespace's announcement stream, and its own go to that stream, so a "
+        "router credits every engine with every block in Redis. false: only this "
+        "engine's own stores.",
+    ),
 )
 ENGINE_OPTIONS_BY_NAME = {o.name: o for o in ENGINE_OPTIONS}
 # Every option of kv_connector_extra_config, the store's first.
@@ -200,6 +210,7 @@ class EngineOptions:
     max_staging_bytes: int = _default("max_staging_bytes")
     copy_backend: str = _default("copy_backend")
     load_failure_quarantine_s: float = _default("load_failure_quarantine_s")
+    fleet_events: bool = _default("fleet_events")
 
     @classmethod
     def from_options(cls, extra: Mapping[str, Any] | None) -> EngineOptions:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from umbp_redis.data import (
@@ -33,6 +34,7 @@ from umbp_redis.data import (
     tp_replicated_group_ids,
 )
 from umbp_redis.engine.block_markers import StoredMarkers
+from umbp_redis.engine.fleet_blocks import FleetBlockFeed
 from umbp_redis.engine.handshake import agreed_namespace
 from umbp_redis.engine.hook_guard import check_engine_config, guarded_hook
 from umbp_redis.engine.kv_events import StoredBlockEvents, group_spec_infos
@@ -188,13 +190,17 @@ class UMBPScheduler:
         )
         # KV cache events (only with vLLM's --kv-events-config).
         events_cfg = getattr(vllm_config, "kv_events_config", None)
-        self.events = (
-            StoredBlockEvents(
-                block_size, self.num_workers, group_spec_infos(kv_cache_config.kv_cache_groups)
-            )
-            if events_cfg and getattr(events_cfg, "enable_kv_cache_events", 0)
-            else None
-        )
+        self.events: StoredBlockEvents | None = None
+        # The fleet's blocks on this engine's events, once the namespace is known.
+        self.fleet: FleetBlockFeed | None = None
+        self._fleet_settings = (settings.ttl_seconds, settings.op_timeout_s)
+        if events_cfg and events_cfg.enable_kv_cache_events:
+            specs = group_spec_infos(kv_cache_config.kv_cache_groups)
+            self.events = StoredBlockEvents(block_size, self.num_workers, specs)
+            self._fleet_wanted = options.fleet_events
+            self._start_fleet_feed()
+        else:
+            self._fleet_wanted = False
         sched_cfg = getattr(vllm_config, "scheduler_config", None)
         self.lazy = (
             LazyStorePlanner(
@@ -263,6 +269,29 @@ class UMBPScheduler:
         if self.codec is None or self.codec.namespace != ns:
             self.codec = BlockIdentityCodec(ns, self.topology, self.replicated)
             log.info("umbp-redis: using key namespace %s", ns)
+            self._start_fleet_feed()
+
+    def _start_fleet_feed(self) -> None:
+        """Announce to, and relay from, the namespace's fleet (with ``fleet_events``, KV
+        events and a namespace; a feed of another namespace is closed)."""
+        if not self._fleet_wanted or self.codec is None or self.events is None:
+            return
+        if self.fleet is not None:
+            if self.fleet.codec.namespace == self.codec.namespace:
+                return
+            self.fleet.close()
+        ttl_s, timeout_s = self._fleet_settings
+        self.fleet = FleetBlockFeed(
+            self.plane,
+            self.codec,
+            uuid.uuid4().hex,
+            self.block_size,
+            self.events.group_specs,
+            ttl_s=ttl_s,
+            timeout_s=timeout_s,
+        )
+        self.events.feed = self.fleet
+        self.fleet.start()
 
     # -- lookups ----------------------------------------------------------------------
 
@@ -344,6 +373,11 @@ class UMBPScheduler:
             "values_refreshed": self.markers.refreshed,
             "stale_markers_removed": self.markers.stale,
             "marker_commands_dropped": self.markers.dropped,
+            "fleet_blocks_announced": self.fleet.announced if self.fleet is not None else 0,
+            "fleet_blocks_relayed": self.fleet.relayed if self.fleet is not None else 0,
+            "fleet_blocks_removed": self.fleet.removed if self.fleet is not None else 0,
+            "fleet_feed_failures": self.fleet.failures if self.fleet is not None else 0,
+            "fleet_feed_dropped": self.fleet.dropped if self.fleet is not None else 0,
             "loads_declined": self.benefit.declined,
             "tokens_declined": self.benefit.tokens_declined,
             "load_probes": self.benefit.probes,
@@ -616,6 +650,8 @@ class UMBPScheduler:
         """Release every pinned block, stop the lookup thread and write the markers of
         the stores reported so far (waiting up to ``MARKER_FLUSH_S``)."""
         self.lookups.shutdown()
+        if self.fleet is not None:
+            self.fleet.close()
         self.markers.close(MARKER_FLUSH_S)
         self.pins.release_all()
         if self.lazy is not None:

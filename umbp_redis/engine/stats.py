@@ -293,6 +293,39 @@ COUNTERS: tuple[Counter, ...] = (
         "scheduler",
     ),
     Counter(
+        "fleet_blocks_announced",
+        "Blocks this engine announced (stored or gone) on the namespace's announcement "
+        "stream (fleet_events).",
+        "",
+        "scheduler",
+    ),
+    Counter(
+        "fleet_blocks_relayed",
+        "Blocks other engines stored that this engine's KV events announced (fleet_events).",
+        "",
+        "scheduler",
+    ),
+    Counter(
+        "fleet_blocks_removed",
+        "Blocks this engine's KV events announced removed from the fleet's tier: their "
+        "marker was gone, another engine found them gone, or too many were credited.",
+        "",
+        "scheduler",
+    ),
+    Counter(
+        "fleet_feed_failures",
+        "Round trips of the fleet block feed that failed or ended unanswered (nothing "
+        "announced or relayed by them).",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
+        "fleet_feed_dropped",
+        "Fleet announcements or events dropped: their queue was full.",
+        "nonzero",
+        "scheduler",
+    ),
+    Counter(
         "loads_declined",
         "Hits not loaded because loading them was expected to take longer than computing "
         "them (decline_slow_loads).",

@@ -611,6 +611,19 @@ class ClusterDataPlane:
             self.refresh_map("keyed commands of unserved slots")
         return out
 
+    def query_keyed(self, key: bytes, command: bytes, *, timeout: float) -> Any:
+        """``RedisDataPlane.query_keyed`` on the key's master; None without a slot map,
+        where no master serves the key's slot, or where the master failed."""
+        m = self._map
+        if m is None:
+            self.refresh_map("a keyed query without a slot map")
+            return None
+        addr = m.node_of(key_slot(key))
+        if addr is None:
+            self.refresh_map("a keyed query of an unserved slot")
+            return None
+        return self.node(addr).query_keyed(key, command, timeout=timeout)
+
     # -- misc -------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:

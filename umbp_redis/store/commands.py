@@ -231,3 +231,21 @@ class ClusterRequestCountEncoder:
         """The block's two commands and their slot."""
         slot = key_slot(self._commands.prefix + hash_hex)
         return SlottedBlock(self._commands.commands(hash_hex), (slot, slot))
+
+
+def xadd_command(k: bytes, max_len: int, fields: Sequence[bytes]) -> bytes:
+    """``XADD k MAXLEN ~ max_len * field value ...``: one stream entry, the stream trimmed
+    to about ``max_len`` entries (answers the new entry's id)."""
+    return encode_command(b"XADD", k, b"MAXLEN", b"~", max_len, b"*", *fields)
+
+
+def xrange_after_command(k: bytes, after: bytes, count: int) -> bytes:
+    """``XRANGE k (after + COUNT count``: at most ``count`` entries newer than the id
+    ``after`` (``-`` for the first ones)."""
+    start = after if after == b"-" else b"(" + after
+    return encode_command(b"XRANGE", k, start, b"+", b"COUNT", count)
+
+
+def exists_command(k: bytes) -> bytes:
+    """``EXISTS k`` (answers 1 or 0)."""
+    return encode_command(b"EXISTS", k)

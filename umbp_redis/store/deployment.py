@@ -99,6 +99,11 @@ class DataPlane(Protocol):
         1, an error or a failed node -1); None when unknown. Ends within ``timeout``."""
         ...
 
+    def query_keyed(self, key: bytes, command: bytes, *, timeout: float) -> Any:
+        """The reply of one pre-encoded one-key command (bytes, int, str, None or a list
+        of them); None also when it failed or did not end within ``timeout`` (counted)."""
+        ...
+
     def counters(self) -> dict[str, int]:
         """Counters since the plane was made."""
         ...
@@ -346,6 +351,11 @@ class PendingPlane:
         """The inner plane's replies; None while pending."""
         inner = self._inner
         return None if inner is None else inner.run_keyed(commands, timeout=timeout)
+
+    def query_keyed(self, key: bytes, command: bytes, *, timeout: float) -> Any:
+        """The inner plane's reply; None while pending."""
+        inner = self._inner
+        return None if inner is None else inner.query_keyed(key, command, timeout=timeout)
 
     def counters(self) -> dict[str, int]:
         """The inner plane's counters; none while pending."""

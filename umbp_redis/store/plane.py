@@ -405,6 +405,29 @@ class RedisDataPlane:
         self._note_refusals([r for r in got if isinstance(r, ErrorReply)], "SET")
         return [r if isinstance(r, int) else -1 for r in got]
 
+    def query_keyed(self, key: bytes, command: bytes, *, timeout: float) -> Any:
+        """The reply of one pre-encoded one-key command: bytes, int, str, None or a list
+        of them; None also when the round trip failed, did not end within ``timeout``
+        seconds or was refused (counted as ``upkeep_errors``; never raises)."""
+        deadline = time.monotonic() + timeout
+        try:
+            with self.pool.connection(deadline=deadline) as conn:
+                send_buffers(conn.sock, [command], use_sendmsg=False, deadline=deadline)
+                reply = conn.reader.read_reply()
+        except RedisDataPlaneError as e:
+            self.stats.add(upkeep_errors=1)
+            log.debug("a keyed query failed: %s", e)
+            return None
+        except Exception as e:  # a bug or a malformed reply: counted, never raised
+            self.stats.add(upkeep_errors=1)
+            self._unexpected("a keyed query", e)
+            return None
+        if isinstance(reply, ErrorReply):
+            self.stats.add(upkeep_errors=1)
+            self._note_refusals([reply], command.split(b"\r\n", 3)[2].decode(errors="replace"))
+            return None
+        return reply
+
     # -- shared round trips ------------------------------------------------------------
 
     def _int_round_trip(
