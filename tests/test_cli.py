@@ -94,12 +94,16 @@ def test_purge_leaves_other_namespaces(redis_url: str) -> None:
     fill(redis_url, "kept", 7)
     r = redis.Redis.from_url(redis_url)
     r.set("unrelated", b"x")
+    for ns in ("gone", "kept"):  # each namespace's fleet announcements
+        r.xadd(f"umbp:vllm:v2:{ns}:announced", {"o": "s"})
     refused = cli("purge", "--namespace", "gone", "--redis-url", redis_url, input_text="")
     assert refused.returncode != 0 and r.exists(f"umbp:vllm:v2:gone:tp0:pcp0:dcp0:pp0:g0:{0:064x}")
+    ls = json.loads(cli("ls", "--redis-url", redis_url, "--json").stdout)
+    assert ls["namespaces"] == {"gone": 1200, "kept": 7}  # the streams are no block keys
     out = cli("purge", "--namespace", "gone", "--yes", "--redis-url", redis_url, "--json")
-    assert json.loads(out.stdout)["deleted"] == 1200
+    assert json.loads(out.stdout)["deleted"] == 1201
     assert len(list(r.scan_iter(match="umbp:vllm:v2:gone:*"))) == 0
-    assert len(list(r.scan_iter(match="umbp:vllm:v2:kept:*"))) == 7
+    assert len(list(r.scan_iter(match="umbp:vllm:v2:kept:*"))) == 8
     assert r.exists("unrelated")
 
 
