@@ -66,7 +66,7 @@ def test_a_block_stored_by_one_engine_is_credited_to_the_other_and_routed_there(
         pytest.skip(str(e))
     import msgspec
     import zmq
-    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     model = str(tiny_model)
     server = EmbeddedRedis().start()
@@ -74,7 +74,7 @@ def test_a_block_stored_by_one_engine_is_credited_to_the_other_and_routed_there(
     # decline_slow_loads off: the tiny model computes a block about as fast as it loads,
     # and this test is about where the router sends a prompt, not the load-or-compute
     # choice (tests/test_load_or_compute.py tests that).
-    ktc = {
+    ktc: dict[str, object] = {
         "kv_connector": "UMBPRedisConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
@@ -127,7 +127,7 @@ def test_a_block_stored_by_one_engine_is_credited_to_the_other_and_routed_there(
                 relayed += [
                     e
                     for e in batch.events
-                    if type(e).__name__ == "BlockStored" and e.token_ids[0] in prefix
+                    if isinstance(e, BlockStored) and e.token_ids[0] in prefix
                 ]
         assert [e.token_ids for e in relayed] == [
             prefix[i * BS : (i + 1) * BS] for i in range(PREFIX_BLOCKS)
