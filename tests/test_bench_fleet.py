@@ -1,5 +1,6 @@
 """``umbp-redis bench fleet`` end to end: two real OpenAI-server engines on the tiny model,
-round-robin routing, one configuration without and one with the connector."""
+round-robin routing, one configuration without and one with the connector; and a run
+behind the vLLM project's router (``vllm-router``, kv_aware policy)."""
 
 from __future__ import annotations
 
@@ -151,3 +152,58 @@ def test_vllms_client_warms_one_engine_and_the_other_loads_its_prefixes_from_red
     # Never a wrong token: engine 1's answers equal those of the engine without it.
     assert summary["umbp-redis"]["outputs_equal_share"]["median"] == 1.0
     assert summary["admit"]["outputs_equal_share"]["median"] == 1.0
+
+
+def test_the_fleet_bench_runs_behind_vllm_routers_kv_aware_policy(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from umbp_redis.ops.vllm_router import RouterMissingError, find_router_binary
+
+    try:
+        find_router_binary()
+    except RouterMissingError as e:
+        pytest.skip(str(e))
+    # One configuration (the connector on) keeps the run short; the routing and the
+    # engine identification are the same without it.
+    result = run_bench_fleet(
+        tiny_model,
+        tmp_path,
+        "--configs",
+        "umbp-redis",
+        "--router",
+        "vllm-router:kv_aware",
+        "--router-arg=--kv-penalty-external",
+        "--router-arg=0.6",
+        "--conversations",
+        "2",
+        "--rounds",
+        "3",
+        "--system-tokens",
+        "300",
+        "--user-tokens",
+        "64",
+        "--assistant-tokens",
+        "100",
+        "--think-time-s",
+        "0.5",
+    )
+    runs = {r["config"]: r for r in result["runs"]}
+    assert set(runs) == {"umbp-redis"}
+    for run in runs.values():
+        assert len(run["requests"]) == 6 and not any(q["error"] for q in run["requests"])
+        # Every request went through the router and its engine was found in the logs.
+        assert {q["engine"] for q in run["requests"]} <= {0, 1}
+        assert all(q["request_id"] for q in run["requests"])
+    for name in runs:
+        log = tmp_path / "logs" / f"r0-{name}" / "router.log"
+        assert "kv_aware" in log.read_text(errors="replace")
+    # kv_aware sends each turn where the router's index holds its history: later rounds
+    # hit more than the shared system prompt's two full blocks.
+    for run in runs.values():
+        later = [q for q in run["requests"] if q["round_index"] > 0]
+        assert sum(q["cached_tokens"] for q in later) > 256 * len(later)
+    summary = result["summary"]
+    for name in runs:
+        share = summary[name]["routed_away_share"]["median"]
+        assert 0.0 <= share <= 1.0
+        assert summary[name]["local_hit_tokens_per_request"]["median"] > 0

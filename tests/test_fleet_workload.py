@@ -2,31 +2,49 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
 from umbp_redis.ops.bench_fleet import (
     ConfigRun,
     RequestRecord,
+    Routing,
     build_configs,
     format_table,
     ideal_block_count,
     parse_variant,
+    remote_hit_cost_ratio,
     repetition_ideal_block_count,
+    request_id,
     summarize,
     workload_title,
 )
-from umbp_redis.ops.fleet_engines import parse_prometheus
+from umbp_redis.ops.fleet_engines import EngineSpec, parse_prometheus
 from umbp_redis.ops.fleet_vllm_client import client_arguments, requests_of
 from umbp_redis.ops.fleet_workload import (
+    ROUTINGS,
     ConversationScript,
     ConversationShape,
     LatencySummary,
     RepetitionShape,
     Router,
     percentile,
+    routed_away_share,
     share_of_ideal_gain,
+    vllm_router_policy,
+)
+from umbp_redis.ops.vllm_router import (
+    RouterMissingError,
+    RouterWorker,
+    find_router_binary,
+    kv_events_config,
+    received_request_ids,
+    router_command,
+    served_by,
 )
 
 
@@ -109,6 +127,7 @@ def test_configs_variants_and_the_ideal_cache_size() -> None:
         "no-connector",
         "umbp-redis",
         "ideal",
+        "ideal-umbp",
         "sticky",
         "sticky-umbp",
         "small-redis",
@@ -275,3 +294,166 @@ def test_the_client_workload_counts_hits_from_counters_and_says_what_it_measured
     assert "rounds 2-6" in workload_title(
         {"engines": 2, "shape": {"conversations": 4, "rounds": 6}}
     )
+
+
+def test_routings_name_this_packages_routers_or_a_vllm_router_policy() -> None:
+    assert vllm_router_policy("round-robin") is None
+    assert vllm_router_policy("vllm-router:kv_aware") == "kv_aware"
+    assert {"vllm-router:round_robin", "vllm-router:cache_aware"} <= set(ROUTINGS)
+    for bad in ("vllm-router", "vllm-router:power_of_two", "kv_aware", "nearest"):
+        with pytest.raises(ValueError, match="routing must be one of"):
+            vllm_router_policy(bad)
+
+
+def test_the_routed_away_share_counts_turns_served_away_from_the_last_rounds_engine() -> None:
+    served = [
+        (0, 0, 0), (0, 1, 1), (0, 2, 1), (0, 3, 0),  # moved, stayed, moved
+        (1, 0, 1), (1, 1, 1),  # stayed
+        (2, 0, -1), (2, 1, 0),  # previous engine unknown: left out
+        (3, 1, 0),  # no previous round: left out
+    ]  # fmt: skip
+    assert routed_away_share(served) == pytest.approx(2 / 4)
+    assert math.isnan(routed_away_share([(0, 0, 0), (0, 1, -1)]))
+    reqs = [
+        RequestRecord(c, r, e, 0.1, 0.2, 10, 0, "", "", 0.0) for c, r, e in ((0, 0, 0), (0, 1, 1))
+    ]
+    reqs.append(RequestRecord(0, 2, 0, math.nan, math.nan, 0, 0, "", "boom", 0.0))
+    assert ConfigRun("x", 0, reqs).routed_away_share() == 1.0  # a failed turn is left out
+    # This package's routers: round-robin always moves a turn, sticky never does.
+    for policy, share in (("round-robin", 1.0), ("sticky", 0.0)):
+        router = Router(policy, 2)
+        got = routed_away_share((c, r, router.engine_for(c, r)) for c in range(4) for r in range(6))
+        assert got == share
+
+
+def test_vllm_router_configs_variants_and_router_arguments() -> None:
+    configs = build_configs(
+        "vllm-router:kv_aware",
+        24,
+        96,
+        router_args=["--kv-penalty-external", "0.9"],
+        variants=[
+            parse_variant("rr@round-robin:connector=false"),
+            parse_variant("aff@vllm-router:kv_aware:router.router-temperature=5,load_async=true"),
+        ],
+    )
+    by = {c.name: c for c in configs}
+    assert by["no-connector"].vllm_router_policy == "kv_aware"
+    assert by["umbp-redis"].router_args == ("--kv-penalty-external", "0.9")
+    assert by["ideal"].router_args == () and by["ideal"].vllm_router_policy is None
+    assert by["ideal-umbp"].connector and by["ideal-umbp"].num_blocks == 96
+    assert not by["rr"].connector and by["rr"].router == "round-robin"
+    assert by["rr"].router_args == ()  # this package's router takes none
+    aff = by["aff"]
+    assert aff.router == "vllm-router:kv_aware" and aff.connector_options == (("load_async", True),)
+    assert aff.router_args == ("--kv-penalty-external", "0.9", "--router-temperature", "5")
+    with pytest.raises(ValueError, match="router must be one of"):
+        parse_variant("x@vllm-router:power_of_two:a=1")
+    with pytest.raises(ValueError, match="need a vllm-router routing"):
+        parse_variant("x@sticky:router.router-temperature=1")
+    with pytest.raises(ValueError, match="no connector options"):
+        parse_variant("x:connector=false,load_async=true")
+    with pytest.raises(ValueError, match="routing must be one of"):
+        build_configs("vllm-router:nearest", 24, 96)
+
+
+def test_the_router_command_names_every_worker_and_its_event_sources(tmp_path: Path) -> None:
+    workers = [
+        RouterWorker("http://127.0.0.1:8001", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5567"),
+        RouterWorker("http://127.0.0.1:8002", "tcp://127.0.0.1:5558"),
+    ]
+    cmd = router_command(
+        "/bin/vllm-router",
+        workers,
+        "kv_aware",
+        128,
+        "m",
+        8000,
+        29000,
+        ["--router-temperature", "2"],
+    )
+    text = " ".join(cmd)
+    assert "--policy kv_aware" in text and "--port 8000" in text
+    assert "--worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002" in text
+    assert "--kv-event-block-size 128 --kv-event-model m" in text
+    assert "--kv-event-source http://127.0.0.1:8001=tcp://127.0.0.1:5557" in text
+    assert "--kv-event-source http://127.0.0.1:8002=tcp://127.0.0.1:5558" in text
+    assert text.count("--kv-event-replay-source") == 1
+    assert cmd[-2:] == ["--router-temperature", "2"]  # extra arguments last
+    plain = router_command("r", [RouterWorker("http://a:1")], "kv_aware", 128, "m", 1, 2)
+    assert "--kv-event-source" not in plain and "--kv-event-model" not in plain
+    assert "--kv-event-source" not in router_command("r", workers, "round_robin", 128, "m", 1, 2)
+    with pytest.raises(ValueError):
+        router_command("r", [], "kv_aware", 128, "m", 1, 2)
+    cfg = kv_events_config(5557, 5567)
+    assert cfg["endpoint"] == "tcp://*:5557" and cfg["replay_endpoint"] == "tcp://*:5567"
+    assert "topic" not in cfg  # the router drops frames of any other topic than ""
+    spec = EngineSpec(
+        "m", 16, "0", block_size=128, behind_router=True, kv_events_config=cfg, port=8001
+    )
+    engine = spec.command(spec.port)
+    for flag in ("--enable-prefix-caching", "--enable-scale-out", "--enable-log-requests"):
+        assert flag in engine
+    assert engine[engine.index("--block-size") + 1] == "128"
+    assert json.loads(engine[engine.index("--kv-events-config") + 1]) == cfg
+    assert "--kv-events-config" not in EngineSpec("m", 16, "0").command(1)
+
+
+def test_the_engine_that_served_a_request_is_read_from_the_engine_logs(tmp_path: Path) -> None:
+    line = (
+        "(APIServer pid=1) INFO 12-07 14:25:22 [request_logger.py:65] Received request "
+        "cmpl-{}-0: params: SamplingParams(n=1, temperature=0.0)\n"
+    )
+    logs = [tmp_path / "engine0.log", tmp_path / "engine1.log"]
+    logs[0].write_text(line.format("fleet-c0-r0") + line.format("fleet-c1-r1") + "noise\n")
+    logs[1].write_text(
+        line.format("fleet-c0-r1")
+        + "(APIServer pid=2) INFO [async_llm.py:578] Added request cmpl-fleet-c0-r1-0-bdfed4ed.\n"
+        + line.format("fleet-c1-r1")  # retried on a second engine: ambiguous
+    )
+    assert received_request_ids(logs[0].read_text()) == ["fleet-c0-r0", "fleet-c1-r1"]
+    got = served_by(
+        [*logs, tmp_path / "missing.log"], ["fleet-c0-r0", "fleet-c0-r1", "fleet-c1-r1", "x"]
+    )
+    assert got == {"fleet-c0-r0": 0, "fleet-c0-r1": 1, "fleet-c1-r1": -1, "x": -1}
+    assert request_id(3, 5) == "fleet-c3-r5"
+
+
+def test_routing_before_and_after_a_late_engine_joins() -> None:
+    rr = Routing(Router("round-robin", 3), (), join_round=2, engines_before_join=2)
+    assert [rr.target(0, r, [0, 0, 0]) for r in range(4)] == [0, 1, 2, 0]  # 3 from round 2
+    assert {rr.target(c, 1, [0, 0, 0]) for c in range(6)} == {0, 1}  # before: 2 engines
+    ll = Routing(Router("least-loaded", 3), (), join_round=1, engines_before_join=2)
+    assert ll.target(0, 0, [5, 5, 0]) in (0, 1)  # the late engine is not up yet
+    assert ll.target(0, 1, [5, 5, 0]) == 2
+    assert Routing(None, ("http://router",)).target(0, 0, []) == -1  # the router picks
+
+
+def test_the_remote_hit_cost_ratio_charges_prefill_beyond_computed_tokens_to_loaded_ones() -> None:
+    def run(prefill: float, queried: float, local: float, loaded: float) -> ConfigRun:
+        counters = {
+            "vllm:request_prefill_time_seconds_sum": prefill,
+            "vllm:prefix_cache_queries_total": queried,
+            "vllm:prefix_cache_hits_total": local,
+            "vllm:external_prefix_cache_hits_total": loaded,
+        }
+        return ConfigRun("x", 0, counters=counters)
+
+    twin = run(10.0, 2000.0, 1000.0, 0.0)  # 1000 computed tokens: 10 ms each
+    # 500 computed (5 s at the twin's rate), 500 loaded for the other 1 s: 0.2 ms each.
+    assert remote_hit_cost_ratio(run(6.0, 2000.0, 1000.0, 500.0), twin) == pytest.approx(0.2)
+    assert math.isnan(remote_hit_cost_ratio(twin, twin))  # nothing loaded
+    assert math.isnan(remote_hit_cost_ratio(run(6.0, 10.0, 10.0, 5.0), run(1.0, 5.0, 5.0, 0.0)))
+
+
+def test_find_router_binary_names_the_extra_where_it_is_missing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(RouterMissingError, match=r"umbp-redis\[router\]"):
+        find_router_binary()
+    beside = tmp_path / "vllm-router"
+    beside.write_text("#!/bin/sh\n")
+    beside.chmod(0o755)
+    assert find_router_binary() == str(beside)

@@ -142,8 +142,8 @@ def _run_cluster(args: argparse.Namespace) -> int:
 
 
 def _register_fleet(targets: Any) -> None:
-    from umbp_redis.ops.bench_fleet import BASE_CONFIGS, WORKLOADS
-    from umbp_redis.ops.fleet_workload import ROUTERS
+    from umbp_redis.ops.bench_fleet import BASE_CONFIGS, OPTIONAL_CONFIGS, WORKLOADS
+    from umbp_redis.ops.fleet_workload import ROUTINGS
 
     fl = targets.add_parser(
         "fleet",
@@ -162,10 +162,29 @@ def _register_fleet(targets: Any) -> None:
     )
     fl.add_argument(
         "--router",
-        choices=ROUTERS,
+        choices=ROUTINGS,
         default="round-robin",
         help="routing of no-connector and umbp-redis (default round-robin: round r of "
-        "conversation c on engine (c+r) mod N)",
+        "conversation c on engine (c+r) mod N); vllm-router:POLICY puts the vLLM project's "
+        "router (pip install 'umbp-redis[router]') in front of the engines, which publish "
+        "their KV events to it",
+    )
+    fl.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for vllm-router (repeatable, one word each, e.g. "
+        "--router-arg=--kv-penalty-external --router-arg=0.9; also "
+        "--router-temperature, --kv-aware-session-affinity-ttl-secs)",
+    )
+    fl.add_argument(
+        "--join-late",
+        type=int,
+        default=0,
+        metavar="K",
+        help="scale-out: the last engine starts cold once every conversation has finished "
+        "K rounds (default 0: all engines from the start)",
     )
     fl.add_argument("--conversations", type=int, default=4, help="conversations at once")
     fl.add_argument("--rounds", type=int, default=6, help="rounds per conversation")
@@ -208,7 +227,8 @@ def _register_fleet(targets: Any) -> None:
     fl.add_argument(
         "--configs",
         default=",".join(BASE_CONFIGS),
-        help="comma-separated subset of the base configurations to run",
+        help="comma-separated subset of the base configurations to run (also "
+        f"{', '.join(OPTIONAL_CONFIGS)}: ideal with the connector)",
     )
     fl.add_argument(
         "--small-redis",
@@ -220,9 +240,11 @@ def _register_fleet(targets: Any) -> None:
         action="append",
         default=[],
         metavar="NAME[@ROUTER]:key=value,...",
-        help="add a configuration (repeatable): umbp-redis, routed by ROUTER if given, with "
-        "these connector options; env.VAR=value sets an engine environment variable, "
-        "ktc.FIELD=value a field of --kv-transfer-config",
+        help="add a configuration (repeatable): umbp-redis, routed by ROUTER if given "
+        "(NAME@vllm-router:kv_aware:...), with these connector options; env.VAR=value sets "
+        "an engine environment variable, ktc.FIELD=value a field of --kv-transfer-config, "
+        "connector=false runs without the connector, router.FLAG=value passes --FLAG value "
+        "to vllm-router",
     )
     fl.add_argument(
         "--model",
@@ -245,6 +267,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
 
     from umbp_redis.ops.bench_fleet import (
         BASE_CONFIGS,
+        OPTIONAL_CONFIGS,
         FleetPlan,
         account_lines,
         build_configs,
@@ -257,6 +280,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
     )
     from umbp_redis.ops.fleet_workload import ConversationShape, RepetitionShape
     from umbp_redis.ops.tiny_model import PREFILL_BOUND_SPEC, build_tiny_llama
+    from umbp_redis.ops.vllm_router import RouterMissingError
     from umbp_redis.store.errors import ConfigError
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="umbp-fleet-"))
@@ -281,9 +305,10 @@ def _run_fleet(args: argparse.Namespace) -> int:
             model = str(build_tiny_llama(work / "model", spec))
             shape = ConversationShape(**{**shape.__dict__, "vocab_size": spec.vocab_size})
         wanted = [c for c in args.configs.split(",") if c]
-        unknown = sorted(set(wanted) - set(BASE_CONFIGS))
+        named = (*BASE_CONFIGS, *OPTIONAL_CONFIGS)
+        unknown = sorted(set(wanted) - set(named))
         if unknown:
-            raise ValueError(f"--configs: unknown {unknown}; choose from {BASE_CONFIGS}")
+            raise ValueError(f"--configs: unknown {unknown}; choose from {named}")
         if args.conversation_rate < 0 or args.think_time_s < 0:
             raise ValueError("--conversation-rate and --think-time-s must be at least 0")
         repetition = None
@@ -315,11 +340,17 @@ def _run_fleet(args: argparse.Namespace) -> int:
         configs = [
             c
             for c in build_configs(
-                args.router, args.blocks, ideal, small_redis=args.small_redis, variants=variants
+                args.router,
+                args.blocks,
+                ideal,
+                small_redis=args.small_redis,
+                variants=variants,
+                router_args=args.router_arg,
             )
-            if c.name in wanted or c.name not in BASE_CONFIGS
+            if c.name in wanted or c.name not in named
         ]
-    except ValueError as e:
+        _check_fleet_routing(args, configs)
+    except (ValueError, RouterMissingError) as e:
         raise ConfigError(str(e)) from e
     plan = FleetPlan(
         model=model,
@@ -330,6 +361,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         think_time_s=args.think_time_s,
         log_dir=work / "logs",
         repetition=repetition,
+        join_late_round=args.join_late,
     )
     result = run_fleet_bench(plan, configs, args.repeats, progress=not args.quiet)
     if args.png:
@@ -342,3 +374,26 @@ def _run_fleet(args: argparse.Namespace) -> int:
         for line in account_lines(result):
             print(line)
     return 0
+
+
+def _check_fleet_routing(args: argparse.Namespace, configs: Any) -> None:
+    """Raise ``ValueError`` where the run's routing cannot work: vllm-router or
+    ``--join-late`` with vLLM's client workload, a join round outside the conversation,
+    ``--router-arg`` with no configuration behind vllm-router; ``RouterMissingError``
+    where a configuration needs vllm-router and it is not installed."""
+    from umbp_redis.ops.vllm_router import find_router_binary
+
+    behind = [c.name for c in configs if c.vllm_router_policy]
+    if behind and args.workload != "conversations":
+        raise ValueError(f"vllm-router routes the conversations workload only ({behind})")
+    if args.router_arg and not behind:
+        raise ValueError("--router-arg needs a configuration routed by vllm-router")
+    if args.join_late:
+        if args.workload != "conversations":
+            raise ValueError("--join-late needs the conversations workload")
+        if args.engines < 2:
+            raise ValueError("--join-late needs 2 engines at least")
+        if not 1 <= args.join_late < args.rounds:
+            raise ValueError(f"--join-late must be between 1 and --rounds - 1 ({args.rounds - 1})")
+    if behind:
+        find_router_binary()

@@ -7,6 +7,7 @@ rotated every repeat so the machine's drift hits all of them):
 - ``no-connector``: the chosen router, ``--blocks`` KV blocks per engine, no connector;
 - ``umbp-redis``: the same with the connector on every engine, one shared Redis;
 - ``ideal``: sticky routing and a KV cache large enough that nothing is evicted;
+- ``ideal-umbp`` (only when named in ``--configs``): ``ideal`` with the connector on;
 - ``sticky`` / ``sticky-umbp``: sticky routing with ``--blocks`` blocks, without and
   with the connector;
 - ``small-redis`` (``--small-redis``): as ``umbp-redis`` with Redis ``maxmemory`` at half
@@ -14,8 +15,24 @@ rotated every repeat so the machine's drift hits all of them):
 - ``--variant NAME[@ROUTER]:key=value,...``: as ``umbp-redis`` (with ``ROUTER``'s routing
   if given) with connector options changed; a key ``env.VAR`` sets an environment
   variable of the configuration's engines instead (``env.PYTHONPATH=DIR`` runs another
-  tree's connector, for a before-and-after in one run), and ``ktc.FIELD`` a field of
-  ``--kv-transfer-config`` (``ktc.kv_role=kv_consumer``: lookups and loads, no stores).
+  tree's connector, for a before-and-after in one run), ``ktc.FIELD`` a field of
+  ``--kv-transfer-config`` (``ktc.kv_role=kv_consumer``: lookups and loads, no stores),
+  ``connector=false`` leaves the connector off (another routing without it), and
+  ``router.FLAG=value`` passes ``--FLAG value`` to vllm-router.
+
+Routings: this package's own (``round-robin``, ``sticky``, ``random``, ``least-loaded``:
+the client picks the engine), or the vLLM project's router, ``vllm-router:kv_aware``,
+``vllm-router:round_robin``, ``vllm-router:cache_aware`` (``vllm_router``: the binary runs
+in front of the engines, which publish their KV events to it under ``kv_aware``, and the
+client sends every request to it; ``--router-arg`` flags go to it). Behind vllm-router
+the engine that served each request is read back from the engines' request logs by its
+``x-request-id``. "Moved" is the share of turns (rounds 2 and later) served by another
+engine than the conversation's previous round, the one holding its history.
+
+``--join-late K``: the last engine starts cold once every conversation has finished K
+rounds; the conversations wait for it to serve (and, behind vllm-router, for the router to
+count it healthy), a wait left out of the throughput; until then this package's routers
+use the other engines and vllm-router's attempts to reach it fail over to them.
 
 Workloads: multi-turn conversations (``fleet_workload``; TTFT is measured over rounds 2
 and later, the first round of a conversation has no history to hit), or vLLM's own
@@ -38,11 +55,12 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from umbp_redis.ops.embedded_redis import free_port
 from umbp_redis.ops.fleet_engines import (
     EXTERNAL_HITS,
     EXTERNAL_QUERIES,
@@ -56,16 +74,21 @@ from umbp_redis.ops.fleet_engines import (
 from umbp_redis.ops.fleet_vllm_client import ClientRequest, run_client_pass
 from umbp_redis.ops.fleet_workload import (
     FIRST_TOKEN_ID,
-    ROUTERS,
+    ROUTINGS,
+    VLLM_ROUTER,
     ConversationScript,
     ConversationShape,
     LatencySummary,
     RepetitionShape,
     Router,
+    routed_away_share,
     share_of_ideal_gain,
+    vllm_router_policy,
 )
 
 BASE_CONFIGS = ("no-connector", "umbp-redis", "ideal", "sticky", "sticky-umbp")
+# Configurations run only when --configs names them.
+OPTIONAL_CONFIGS = ("ideal-umbp",)
 WORKLOADS = ("conversations", "vllm-prefix-repetition")
 # The connector's Prometheus counters summed into each configuration's result.
 CONNECTOR_COUNTERS = (
@@ -98,11 +121,18 @@ class FleetConfig:
     redis_maxmemory_share: float = 0.0  # of umbp-redis's stored bytes; 0: unlimited
     engine_env: tuple[tuple[str, str], ...] = ()
     transfer_fields: tuple[tuple[str, Any], ...] = ()
+    router_args: tuple[str, ...] = ()  # vllm-router's extra flags
+
+    @property
+    def vllm_router_policy(self) -> str | None:
+        """The vllm-router policy this configuration runs behind; None for this
+        package's own routers."""
+        return vllm_router_policy(self.router)
 
 
 @dataclass
 class RequestRecord:
-    """One request's outcome."""
+    """One request's outcome; ``engine`` -1 where it is not known."""
 
     conversation: int
     round_index: int
@@ -114,6 +144,7 @@ class RequestRecord:
     text: str
     error: str = ""
     sent_at_s: float = 0.0  # since the workload started
+    request_id: str = ""  # sent as x-request-id
 
 
 @dataclass
@@ -131,6 +162,8 @@ class ConfigRun:
     redis_cpu_s: float = 0.0  # the server's CPU time during the workload
     engine_cpu_s: dict[str, float] = field(default_factory=dict)  # by process name
     hits_from_counters: bool = False  # requests carry no cached-token count
+    join_wait_s: float = 0.0  # --join-late: waiting for the late engine, not in wall_s
+    connector: bool = True  # the configuration's engines run the connector
 
     def ttfts(self, first_round: int = 1) -> list[float]:
         """TTFTs of successful requests of rounds >= ``first_round`` (0-based)."""
@@ -153,6 +186,22 @@ class ConfigRun:
         ]
         return statistics.fmean(counts) if counts else math.nan
 
+    def routed_away_share(self) -> float:
+        """Share of successful requests of rounds after the first served by another
+        engine than their conversation's previous round (NaN where engines are unknown)."""
+        return routed_away_share(
+            (q.conversation, q.round_index, q.engine) for q in self.requests if not q.error
+        )
+
+    def prefill_account(self) -> tuple[float, float, float]:
+        """(vLLM's prefill seconds, prompt tokens computed, prompt tokens loaded from
+        the external cache), summed over the measured requests from the counters."""
+        queried = self.counters.get(PREFIX_QUERIES, 0.0)
+        local = self.counters.get(PREFIX_HITS, 0.0)
+        loaded = self.counters.get(EXTERNAL_HITS, 0.0)
+        prefill = self.counters.get("vllm:request_prefill_time_seconds_sum", 0.0)
+        return prefill, max(0.0, queried - local - loaded), loaded
+
     def hit_tokens(self, first_round: int = 1) -> int:
         """Prompt tokens served from a cache (local or external), rounds >= ``first_round``;
         from the engines' counters (which cover the measured requests only) where the
@@ -169,30 +218,42 @@ def build_configs(
     *,
     small_redis: bool = False,
     variants: Sequence[Variant] = (),
+    router_args: Sequence[str] = (),
 ) -> list[FleetConfig]:
-    """The configurations of a run, the base five first."""
+    """The configurations of a run, the base five and ``ideal-umbp`` first;
+    ``router_args`` go to every configuration routed by vllm-router (a variant's own
+    after them)."""
+    vllm_router_policy(router)  # a ValueError for an unknown routing
+
+    def args_for(routing: str, own: Sequence[str] = ()) -> tuple[str, ...]:
+        return (*router_args, *own) if vllm_router_policy(routing) else ()
+
+    base = args_for(router)
     configs = [
-        FleetConfig("no-connector", router, blocks, False),
-        FleetConfig("umbp-redis", router, blocks, True),
+        FleetConfig("no-connector", router, blocks, False, router_args=base),
+        FleetConfig("umbp-redis", router, blocks, True, router_args=base),
         FleetConfig("ideal", "sticky", ideal_blocks, False),
+        FleetConfig("ideal-umbp", "sticky", ideal_blocks, True),
         FleetConfig("sticky", "sticky", blocks, False),
         FleetConfig("sticky-umbp", "sticky", blocks, True),
     ]
     if small_redis:
-        configs.append(FleetConfig("small-redis", router, blocks, True, (), 0.5))
+        configs.append(FleetConfig("small-redis", router, blocks, True, (), 0.5, router_args=base))
     for v in variants:
         if any(c.name == v.name for c in configs):
             raise ValueError(f"--variant name {v.name!r} is taken by another configuration")
+        routing = v.router or router
         configs.append(
             FleetConfig(
                 v.name,
-                v.router or router,
+                routing,
                 blocks,
-                True,
+                v.connector,
                 tuple(sorted(v.options.items())),
                 v.redis_maxmemory_share,
                 engine_env=tuple(sorted(v.env.items())),
                 transfer_fields=tuple(sorted(v.transfer_fields.items())),
+                router_args=args_for(routing, v.router_args),
             )
         )
     return configs
@@ -208,23 +269,32 @@ class Variant:
     env: dict[str, str]
     transfer_fields: dict[str, Any] = field(default_factory=dict)
     redis_maxmemory_share: float = 0.0
+    connector: bool = True
+    router_args: tuple[str, ...] = ()
 
 
 def parse_variant(text: str) -> Variant:
-    """``NAME[@ROUTER]:key=value,key=value`` to a ``Variant``; values are JSON where they
+    """``NAME[@ROUTER]:key=value,key=value`` to a ``Variant``; ``ROUTER`` is one of
+    ``ROUTINGS`` (``NAME@vllm-router:kv_aware:key=value``); values are JSON where they
     parse (numbers, true/false), else strings; ``env.VAR=value`` keys are environment
-    variables of the engines, ``ktc.FIELD=value`` fields of the KV transfer config, and
+    variables of the engines, ``ktc.FIELD=value`` fields of the KV transfer config,
     ``redis.maxmemory_share=S`` gives Redis a ``maxmemory`` of S times what umbp-redis
-    stored (as small-redis does with 0.5)."""
+    stored (as small-redis does with 0.5), ``connector=false`` runs without the
+    connector, and ``router.FLAG=value`` passes ``--FLAG value`` to vllm-router."""
     head, sep, rest = text.partition(":")
     name, _, router = head.partition("@")
+    if router == VLLM_ROUTER:  # NAME@vllm-router:POLICY:options
+        policy, sep, rest = rest.partition(":")
+        router = f"{router}:{policy}"
     if not sep or not name:
         raise ValueError(f"--variant expects NAME[@ROUTER]:key=value[,key=value], got {text!r}")
-    if router and router not in ROUTERS:
-        raise ValueError(f"--variant {name}: router must be one of {', '.join(ROUTERS)}")
+    if router and router not in ROUTINGS:
+        raise ValueError(f"--variant {name}: router must be one of {', '.join(ROUTINGS)}")
     options: dict[str, Any] = {}
     env: dict[str, str] = {}
     fields: dict[str, Any] = {}
+    router_args: list[str] = []
+    connector = True
     share = 0.0
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -232,6 +302,16 @@ def parse_variant(text: str) -> Variant:
             raise ValueError(f"--variant option {item!r} is not key=value")
         if key.startswith("env."):
             env[key[4:]] = value
+            continue
+        if key.startswith("router."):
+            if not router.startswith(VLLM_ROUTER + ":"):
+                raise ValueError(f"--variant {name}: router.* options need a vllm-router routing")
+            router_args += [f"--{key[7:]}", value]
+            continue
+        if key == "connector":
+            if value.lower() not in ("true", "false", "on", "off"):
+                raise ValueError(f"--variant {name}: connector must be true or false")
+            connector = value.lower() in ("true", "on")
             continue
         if key == "redis.maxmemory_share":
             try:
@@ -246,7 +326,11 @@ def parse_variant(text: str) -> Variant:
             target[key] = json.loads(value)
         except json.JSONDecodeError:
             target[key] = value
-    return Variant(name, router or None, options, env, fields, share)
+    if not connector and (options or fields or share):
+        raise ValueError(f"--variant {name}: connector=false takes no connector options")
+    return Variant(
+        name, router or None, options, env, fields, share, connector, tuple(router_args)
+    )
 
 
 def ideal_block_count(shape: ConversationShape, engines: int, block_size: int, blocks: int) -> int:
@@ -268,7 +352,12 @@ def repetition_ideal_block_count(shape: RepetitionShape, block_size: int, blocks
 
 
 async def _stream_completion(
-    session: Any, base_url: str, model: str, prompt: Sequence[int], max_tokens: int
+    session: Any,
+    base_url: str,
+    model: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
 ) -> tuple[float, float, int, int, str]:
     """(TTFT, latency, prompt tokens, cached tokens, text) of one streamed completion."""
     body = {
@@ -284,7 +373,7 @@ async def _stream_completion(
     ttft = math.nan
     text: list[str] = []
     prompt_tokens = cached = 0
-    async with session.post(base_url + "/v1/completions", json=body) as resp:
+    async with session.post(base_url + "/v1/completions", json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
         async for raw in resp.content:
@@ -308,46 +397,104 @@ async def _stream_completion(
     return ttft, time.perf_counter() - t0, prompt_tokens, cached, "".join(text)
 
 
+def request_id(conversation: int, round_index: int) -> str:
+    """The ``x-request-id`` of a conversation's round: unique within a configuration's
+    run, so the engine logs can say which engine served it."""
+    return f"fleet-c{conversation}-r{round_index}"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each request goes: this package's router picking among the engines (the
+    first ``engines_before_join`` of them before ``join_round``), or one URL (a
+    vllm-router) that picks by itself."""
+
+    router: Router | None
+    urls: tuple[str, ...]
+    join_round: int = 0  # 0: every engine from the start
+    engines_before_join: int = 0
+
+    def target(self, conversation: int, round_index: int, in_flight: list[int]) -> int:
+        """The engine index of this request, or -1 where the router URL picks."""
+        if self.router is None:
+            return -1
+        n = self.router.engines
+        if self.join_round and round_index < self.join_round:
+            n = self.engines_before_join
+        router = self.router if n == self.router.engines else Router(self.router.policy, n)
+        return router.engine_for(conversation, round_index, in_flight[:n])
+
+
 async def _run_conversations(
-    engines: Sequence[RunningEngine],
+    urls: Callable[[], Sequence[str]],
     model: str,
     script: ConversationScript,
-    router: Router,
+    routing: Routing,
     conversation_rate: float,
     think_time_s: float,
     on_request: Callable[[], None],
     timeout_s: float,
+    join: Callable[[], Awaitable[None]] | None = None,
 ) -> list[RequestRecord]:
+    """Every conversation at once; ``urls()`` are the engines' base URLs now (the late
+    engine's appear after ``join``), and ``join``, where given, runs once every
+    conversation has finished ``routing.join_round`` rounds, all of them waiting for it."""
     import aiohttp
 
     shape = script.shape
     records: list[RequestRecord] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     start = time.perf_counter()
-    in_flight = [0] * len(engines)
+    in_flight = [0] * max(len(routing.urls), routing.router.engines if routing.router else 0)
+    arrived = 0
+    joined = asyncio.Event()
+
+    async def barrier() -> None:
+        nonlocal arrived
+        arrived += 1
+        if arrived < shape.conversations:
+            await joined.wait()
+            return
+        try:
+            if join is not None:
+                await join()
+        finally:
+            joined.set()
+
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         async def conversation(c: int) -> None:
             if conversation_rate > 0:
                 await asyncio.sleep(c / conversation_rate)
             for r in range(shape.rounds):
+                if join is not None and r == routing.join_round:
+                    await barrier()
                 if r and think_time_s > 0:
                     await asyncio.sleep(think_time_s)  # the user reads the answer
                 turn = script.turn(c, r)
-                e = router.engine_for(c, r, in_flight)
+                e = routing.target(c, r, in_flight)
+                url = urls()[e] if e >= 0 else routing.urls[0]
+                rid = request_id(c, r)
+                headers = {"x-request-id": rid, "x-session-id": f"fleet-c{c}"}
                 sent = time.perf_counter() - start
-                in_flight[e] += 1
+                if e >= 0:
+                    in_flight[e] += 1
                 try:
                     ttft, lat, pt, cached, text = await _stream_completion(
-                        session, engines[e].base_url, model, turn.prompt, shape.answer_tokens
+                        session, url, model, turn.prompt, shape.answer_tokens, headers
                     )
-                    records.append(RequestRecord(c, r, e, ttft, lat, pt, cached, text, "", sent))
+                    records.append(
+                        RequestRecord(c, r, e, ttft, lat, pt, cached, text, "", sent, rid)
+                    )
                 except Exception as exc:
                     records.append(
-                        RequestRecord(c, r, e, math.nan, math.nan, 0, 0, "", repr(exc)[:300], sent)
+                        RequestRecord(
+                            c, r, e, math.nan, math.nan, 0, 0, "", repr(exc)[:300], sent, rid
+                        )
                     )
                 finally:
-                    in_flight[e] -= 1
+                    if e >= 0:
+                        in_flight[e] -= 1
                 on_request()
 
         await asyncio.gather(*(conversation(c) for c in range(shape.conversations)))
@@ -404,6 +551,8 @@ class FleetPlan:
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="umbp-fleet-")))
     # Set: the workload is vLLM's client on this dataset instead of the conversations.
     repetition: RepetitionShape | None = None
+    # > 0: the last engine starts once every conversation has finished this many rounds.
+    join_late_round: int = 0
 
     @property
     def longest_request_tokens(self) -> int:
@@ -433,16 +582,32 @@ def run_config(
     on_request: Callable[[], None],
     status: Callable[[str], None],
 ) -> ConfigRun:
-    """Run one configuration once: its own Redis, its engines, the workload."""
+    """Run one configuration once: its own Redis, its engines (and vllm-router where
+    the configuration routes by it), the workload."""
+    import functools
+
     import redis
 
     from umbp_redis.ops.embedded_redis import EmbeddedRedis
+    from umbp_redis.ops.vllm_router import (
+        RouterWorker,
+        RunningRouter,
+        kv_events_config,
+        served_by,
+        start_vllm_router,
+        wait_until_routable,
+    )
 
-    out = ConfigRun(config.name, repeat, redis_maxmemory=maxmemory)
+    out = ConfigRun(
+        config.name, repeat, redis_maxmemory=maxmemory, connector=config.connector
+    )
+    policy = config.vllm_router_policy
+    late = 1 if plan.join_late_round else 0
     server = EmbeddedRedis(
         ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
     ).start()
     engines: list[RunningEngine] = []
+    router: RunningRouter | None = None
     try:
         ktc: dict[str, object] | None = None
         if config.connector:
@@ -457,20 +622,49 @@ def run_config(
                 },
                 **dict(config.transfer_fields),
             }
-        specs = [
-            EngineSpec(
-                plan.model,
-                config.num_blocks,
-                str(i % _cpu_count()),
-                ktc,
-                max_model_len=plan.max_model_len,
-                extra_env=config.engine_env,
+        specs: list[EngineSpec] = []
+        event_ports: list[tuple[int, int]] = []
+        for i in range(plan.engines):
+            # Behind vllm-router's kv_aware policy every engine publishes its KV events
+            # on ports of its own (the other policies take no event sources), and the
+            # late engine's URL is known before it starts.
+            if policy:
+                event_ports.append((free_port(), free_port()))
+            events = kv_events_config(*event_ports[i]) if policy == "kv_aware" else None
+            specs.append(
+                EngineSpec(
+                    plan.model,
+                    config.num_blocks,
+                    str(i % _cpu_count()),
+                    ktc,
+                    max_model_len=plan.max_model_len,
+                    extra_env=config.engine_env,
+                    port=free_port() if policy and i >= plan.engines - late else 0,
+                    block_size=plan.block_size if policy else None,
+                    behind_router=policy is not None,
+                    kv_events_config=events,
+                )
             )
-            for i in range(plan.engines)
-        ]
-        status(f"{config.name}: starting {plan.engines} engines")
+        early, late_specs = specs[: plan.engines - late], specs[plan.engines - late :]
+        status(f"{config.name}: starting {len(early)} engines")
         run_dir = plan.log_dir / f"r{repeat}-{config.name}"
-        engines = start_engines(specs, run_dir)
+        engines = start_engines(early, run_dir)
+        if policy:
+            urls = [e.base_url for e in engines]
+            urls += [f"http://127.0.0.1:{spec.port}" for spec in late_specs]
+            workers = [
+                RouterWorker(url, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{replay}")
+                for url, (ev, replay) in zip(urls, event_ports, strict=True)
+            ]
+            status(f"{config.name}: starting vllm-router ({policy})")
+            router = start_vllm_router(
+                workers,
+                policy,
+                plan.block_size,
+                plan.model,
+                run_dir / "router.log",
+                config.router_args,
+            )
         asyncio.run(_warm_up(engines, plan.model, plan.shape.vocab_size))
         r = redis.Redis.from_url(server.url)
         base_mem = int(r.info("memory")["used_memory"])
@@ -490,18 +684,48 @@ def run_config(
         t0 = time.perf_counter()
         if plan.repetition is None:
             status(f"{config.name}: {plan.shape.conversations} conversations")
+
+            async def join() -> None:
+                t = time.perf_counter()
+                status(f"{config.name}: engine {len(engines)} joins")
+                loop = asyncio.get_running_loop()
+                start = functools.partial(start_engines, first_index=len(engines))
+                new = await loop.run_in_executor(None, start, late_specs, run_dir)
+                engines.extend(new)
+                await _warm_up(new, plan.model, plan.shape.vocab_size)
+                for e in new:
+                    before.append(e.metrics())
+                    cpu_before.append(e.cpu_seconds())
+                    if router is not None:
+                        await loop.run_in_executor(None, wait_until_routable, router, e.base_url)
+                out.join_wait_s += time.perf_counter() - t
+                status(f"{config.name}: {plan.shape.conversations} conversations")
+
+            routing = Routing(
+                None if router else Router(config.router, plan.engines),
+                (router.base_url,) if router else (),
+                plan.join_late_round,
+                plan.engines - late,
+            )
             out.requests = asyncio.run(
                 _run_conversations(
-                    engines,
+                    lambda: [e.base_url for e in engines],
                     plan.model,
                     ConversationScript(plan.shape),
-                    Router(config.router, plan.engines),
+                    routing,
                     plan.conversation_rate,
                     plan.think_time_s,
                     on_request,
                     plan.request_timeout_s,
+                    join if late else None,
                 )
             )
+            if router is not None:
+                engine_of = served_by(
+                    [e.log_path for e in engines], [q.request_id for q in out.requests]
+                )
+                for q in out.requests:
+                    q.engine = engine_of.get(q.request_id, -1)
         else:
             # Sticky routing measures vLLM's own prefix cache on the warmed engine;
             # every other routing measures the other engine.
@@ -512,7 +736,7 @@ def run_config(
             )
             out.requests += _client_records(measured, 1, target, origin, on_request)
             out.hits_from_counters = True
-        out.wall_s = time.perf_counter() - t0
+        out.wall_s = time.perf_counter() - t0 - out.join_wait_s
         out.counters = _counter_delta(engines, before)
         for e, b in zip(engines, cpu_before, strict=True):
             for name, now in e.cpu_seconds().items():
@@ -522,6 +746,8 @@ def run_config(
         out.redis_cpu_s = _server_cpu_s(r) - base_cpu
         r.close()
     finally:
+        if router is not None:
+            router.stop()
         stop_engines(engines)
         server.cleanup()
     return out
@@ -624,6 +850,7 @@ def run_fleet_bench(
             "conversation_rate": plan.conversation_rate,
             "think_time_s": plan.think_time_s,
             "repetition": asdict(plan.repetition) if plan.repetition else None,
+            "join_late_round": plan.join_late_round,
             "log_dir": str(plan.log_dir),
         },
         "configs": [asdict(c) for c in configs],
@@ -667,6 +894,17 @@ def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]
             add("engine_load", run.engine_load())
             add("local_hit_tokens", run.counters.get(PREFIX_HITS, 0.0))
             add("external_hit_tokens", run.counters.get(EXTERNAL_HITS, 0.0))
+            # The counters cover every request of the conversations, the client's
+            # measured pass (round 1) only.
+            measured = [q for q in ok if not run.hits_from_counters or q.round_index == 1]
+            if measured:
+                count = len(measured)
+                add("local_hit_tokens_per_request", run.counters.get(PREFIX_HITS, 0.0) / count)
+                add(
+                    "external_hit_tokens_per_request",
+                    run.counters.get(EXTERNAL_HITS, 0.0) / count,
+                )
+            add("routed_away_share", run.routed_away_share())
             add("redis_bytes", run.redis_used_bytes)
             add("redis_cpu_s", run.redis_cpu_s)
             for proc, cpu in run.engine_cpu_s.items():
@@ -699,15 +937,35 @@ def summarize(names: Sequence[str], runs: Sequence[ConfigRun]) -> dict[str, Any]
                 t = LatencySummary.of(twin.ttfts())
                 add("ttft_mean_vs_twin", s.mean / t.mean if t.mean else math.nan)
                 add("ttft_p90_vs_twin", s.p90 / t.p90 if t.p90 else math.nan)
+                add("remote_hit_cost_ratio", remote_hit_cost_ratio(run, twin))
         out[name] = {k: _median_spread(v) for k, v in per.items()}
     return out
+
+
+def remote_hit_cost_ratio(run: ConfigRun, twin: ConfigRun) -> float:
+    """vLLM's prefill seconds per token loaded from the external cache over those per
+    token computed: the twin (no connector) gives the seconds per computed token, and
+    what ``run`` spent beyond its own computed tokens at that rate is charged to its
+    loaded tokens. A rough figure (prefill time includes the batch a request shares);
+    NaN where nothing was loaded or computed."""
+    prefill, computed, loaded = run.prefill_account()
+    twin_prefill, twin_computed, _ = twin.prefill_account()
+    if not loaded or not twin_computed or not twin_prefill:
+        return math.nan
+    per_computed = twin_prefill / twin_computed
+    return (prefill - computed * per_computed) / loaded / per_computed
 
 
 def _twin(name: str, reps: dict[str, ConfigRun]) -> ConfigRun | None:
     """The connector-less configuration with the same routing and cache, if any."""
     if name == "sticky-umbp":
         return reps.get("sticky")
+    if name == "ideal-umbp":
+        return reps.get("ideal")
     if name in ("no-connector", "ideal", "sticky"):
+        return None
+    run = reps.get(name)
+    if run is not None and not run.connector:
         return None
     return reps.get("no-connector")
 
@@ -720,12 +978,14 @@ _TABLE_COLUMNS = (
     ("req/s", "requests_per_s", "{:.2f}"),
     ("busy", "engine_load", "{:.2f}"),
     ("hit tok", "hit_tokens", "{:.0f}"),
-    ("local", "local_hit_tokens", "{:.0f}"),
-    ("redis", "external_hit_tokens", "{:.0f}"),
+    ("local/req", "local_hit_tokens_per_request", "{:.0f}"),
+    ("redis/req", "external_hit_tokens_per_request", "{:.0f}"),
+    ("moved", "routed_away_share", "{:.0%}"),
     ("Redis MB", "redis_bytes", "{:.1f}"),
     ("ideal gain", "ideal_gain_share_mean", "{:.0%}"),
     ("p90 gain", "ideal_gain_share_p90", "{:.0%}"),
     ("vs twin", "ttft_mean_vs_twin", "{:.2f}x"),
+    ("load/compute", "remote_hit_cost_ratio", "{:.2f}"),
     ("same out", "outputs_equal_share", "{:.0%}"),
 )
 
@@ -756,9 +1016,12 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(
         f"\n{workload_title(result['plan'])}, {repeats} repeats; "
         "medians over repeats [min-max]; 'busy': other requests in flight on the engine "
-        "a request was sent to; 'ideal gain': share of the ideal's TTFT gain over "
+        "a request was sent to; 'local/req', 'redis/req': prefix tokens hit per request in "
+        "the engine's own cache and in Redis; 'moved': turns served away from the engine "
+        "of the conversation's previous round; 'ideal gain': share of the ideal's TTFT gain over "
         "no-connector; 'vs twin': mean TTFT against the same routing and cache without the "
-        "connector; 'same out': answers equal to no-connector's"
+        "connector; 'load/compute': prefill seconds per token loaded from Redis over those "
+        "per token computed (rough); 'same out': answers equal to no-connector's"
     )
     return "\n".join(lines)
 
@@ -774,8 +1037,10 @@ def workload_title(plan: dict[str, Any]) -> str:
             "TTFT of the same prompts on engine 1 (sticky: engine 0 again)"
         )
     shape = plan["shape"]
+    join = plan.get("join_late_round") or 0
+    late = f" (the last joining after round {join})" if join else ""
     return (
-        f"{plan['engines']} engines, {shape['conversations']} conversations x "
+        f"{plan['engines']} engines{late}, {shape['conversations']} conversations x "
         f"{shape['rounds']} rounds; TTFT over rounds 2-{shape['rounds']}"
     )
 

@@ -46,6 +46,13 @@ class EngineSpec:
     max_model_len: int = 4096
     dtype: str = "float32"
     extra_env: tuple[tuple[str, str], ...] = ()
+    port: int = 0  # 0: a free port when it starts
+    block_size: int | None = None  # None: vLLM's default (128 on the CPU backend)
+    # Behind a router process: prefix caching on and explicit, text prompts rendered
+    # for the router (--enable-scale-out), each request's id logged (--enable-log-requests).
+    behind_router: bool = False
+    # Set: the engine publishes its KV events (vLLM's --kv-events-config) to the router.
+    kv_events_config: dict[str, object] | None = None
 
     def command(self, port: int) -> list[str]:
         """The engine's command line."""
@@ -70,6 +77,12 @@ class EngineSpec:
             "--seed",
             "0",
         ]
+        if self.block_size is not None:
+            cmd += ["--block-size", str(self.block_size)]
+        if self.behind_router:
+            cmd += ["--enable-prefix-caching", "--enable-scale-out", "--enable-log-requests"]
+        if self.kv_events_config is not None:
+            cmd += ["--kv-events-config", json.dumps(self.kv_events_config)]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd
@@ -192,15 +205,16 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 def start_engines(
-    specs: Sequence[EngineSpec], log_dir: Path, *, timeout_s: float = 300.0
+    specs: Sequence[EngineSpec], log_dir: Path, *, timeout_s: float = 300.0, first_index: int = 0
 ) -> list[RunningEngine]:
     """Start every engine at once and wait until all answer ``/health``; on a failure
-    stop them all and raise ``EngineStartError`` with the failing engine's log."""
+    stop them all and raise ``EngineStartError`` with the failing engine's log. Logs are
+    named by engine index, counted from ``first_index``, and port."""
     log_dir.mkdir(parents=True, exist_ok=True)
     engines: list[RunningEngine] = []
     try:
-        for i, spec in enumerate(specs):
-            port = free_port()
+        for i, spec in enumerate(specs, first_index):
+            port = spec.port or free_port()
             log_path = log_dir / f"engine{i}-{port}.log"
             with open(log_path, "wb") as logf:
                 proc = subprocess.Popen(

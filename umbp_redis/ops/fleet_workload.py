@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # Token ids the workloads draw from: above the tiny tokenizer's special tokens.
@@ -138,6 +138,38 @@ class ConversationScript:
 
 
 ROUTERS = ("round-robin", "random", "sticky", "least-loaded")
+# The vLLM project's router (``vllm-router``), run as a process in front of the engines:
+# a routing ``vllm-router:POLICY`` names one of its policies.
+VLLM_ROUTER = "vllm-router"
+VLLM_ROUTER_POLICIES = ("kv_aware", "round_robin", "cache_aware")
+ROUTINGS = (*ROUTERS, *(f"{VLLM_ROUTER}:{p}" for p in VLLM_ROUTER_POLICIES))
+
+
+def vllm_router_policy(routing: str) -> str | None:
+    """The vllm-router policy of a routing (``vllm-router:kv_aware``: ``kv_aware``);
+    None for this package's own routers; ``ValueError`` for anything else."""
+    if routing in ROUTERS:
+        return None
+    head, sep, policy = routing.partition(":")
+    if head == VLLM_ROUTER and sep and policy in VLLM_ROUTER_POLICIES:
+        return policy
+    raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+
+
+def routed_away_share(served: Iterable[tuple[int, int, int]]) -> float:
+    """Of ``(conversation, round, engine)`` requests, the share of rounds after the
+    first (0-based round >= 1) served by another engine than the conversation's
+    previous round; requests whose engine, or whose previous round's, is unknown
+    (negative) are left out; NaN when none is left."""
+    engine_of = {(c, r): e for c, r, e in served}
+    moved = counted = 0
+    for (c, r), e in engine_of.items():
+        prev = engine_of.get((c, r - 1), -1)
+        if r < 1 or e < 0 or prev < 0:
+            continue
+        counted += 1
+        moved += e != prev
+    return moved / counted if counted else math.nan
 
 
 @dataclass(frozen=True)
