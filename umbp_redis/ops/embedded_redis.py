@@ -7,6 +7,7 @@ socket), and is stopped when the context exits.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -34,11 +35,36 @@ def find_redis_server() -> str:
     )
 
 
+# Listening ports are drawn from here, below Linux's default ephemeral range (32768 on),
+# so that no outgoing connection takes one between the choice and the server's bind.
+_LISTEN_PORTS = range(20000, 32768)
+_PICK = random.SystemRandom()  # never the seeded global generator: no two processes agree
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's
+    ephemeral range where it can tell (else one the kernel picks)."""
+    low = _ephemeral_low()
+    ports = range(_LISTEN_PORTS.start, min(_LISTEN_PORTS.stop, low))
+    for _ in range(64):
+        port = _PICK.choice(ports) if ports else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class EmbeddedRedis:
