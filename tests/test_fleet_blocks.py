@@ -75,6 +75,7 @@ def test_the_stream_and_the_credits_stay_bounded(
 ) -> None:
     monkeypatch.setattr(fleet_blocks, "MAX_STREAM_ENTRIES", 100)
     monkeypatch.setattr(fleet_blocks, "MAX_CREDITED", 50)
+    monkeypatch.setattr(fleet_blocks, "TAKE_MAX", 3)
     plane = RedisDataPlane(RedisSettings.from_url(redis_url))
     client = redis.Redis.from_url(redis_url)
     a = make_feed(plane, "a")
@@ -94,8 +95,13 @@ def test_the_stream_and_the_credits_stay_bounded(
     assert a.credits((blocks[-1].block_hash, 0)) and not a.credits((blocks[0].block_hash, 0))
     # A late engine credits at most the bound, too.
     late = make_feed(plane, "b")
-    wait_for_events(late, lambda evs: late.caught_up and late.relayed >= 50)
+    deadline = time.monotonic() + 20
+    while not (late.caught_up and late.relayed >= 50):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # polls a condition, with the deadline above
     assert len([k for k in blocks if late.credits((k.block_hash, 0))]) == 50
+    # Its backlog goes out a step's share at a time.
+    assert len(late.take()) == 3 and len(late.take()) == 3
     for f in (a, late):
         f.close()
     plane.close()

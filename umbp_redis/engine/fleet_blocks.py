@@ -55,6 +55,8 @@ MAX_STREAM_ENTRIES = 1 << 16
 MAX_CREDITED = 1 << 16
 # Appends and events waiting at most; more are dropped (counted).
 MAX_QUEUED = 1 << 16
+# Events one engine step publishes at most (about 650 bytes each).
+TAKE_MAX = 8192
 # How often the stream is read for other engines' entries.
 POLL_INTERVAL_S = 0.25
 # How often the credited blocks' markers are checked.
@@ -170,11 +172,10 @@ class FleetBlockFeed:
             self._lock.notify_all()
 
     def take(self) -> list[Any]:
-        """The events about other engines' blocks since the last call."""
+        """The events about other engines' blocks since the last call, the oldest
+        ``TAKE_MAX`` at most (a late engine's backlog goes out over several steps)."""
         with self._lock:
-            events = list(self._events)
-            self._events.clear()
-        return events
+            return [self._events.popleft() for _ in range(min(TAKE_MAX, len(self._events)))]
 
     def close(self) -> None:
         """Stop the thread after its round trip in progress (appends not sent are lost)."""
