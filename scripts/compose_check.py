@@ -4,14 +4,23 @@ through ``scripts/compose_check``).
 Steps, each printed with its time: a Docker daemon (started with the vfs storage driver
 if none answers, and stopped at the end only if started here); a Debian base image made
 offline-capable with debootstrap and ``docker import`` unless ``--base-image`` names one;
-the Redis image (``docker/redis.Dockerfile``) and the CPU engine image
-(``docker/vllm-cpu.Dockerfile``) built on it; a tiny random Llama; then
-``docker-compose.cpu.yml`` up with two engines (``--profile second``) and a password,
-and the checks: the same prompt on engine 1 then engine 2 gives the same text, engine 2
-reports external prefix-cache hits, ``umbp-redis ls`` inside the stack lists the keys,
-Redis runs with the configured ``maxmemory`` and ``allkeys-lru``, no container's log
-holds the password. Last, ``down -v`` and a check that nothing of the project is left.
-Exit status 0 only if every check passed.
+the Redis image (``docker/redis.Dockerfile``), the CPU engine image
+(``docker/vllm-cpu.Dockerfile``) and the router image (``docker/router.Dockerfile``)
+built on it; a tiny random Llama; then ``docker-compose.cpu.yml`` up with two engines
+(``--profile second``) behind the router and a password, and the checks. The engines'
+own ports serve their ``/metrics`` (per engine: requests finished, prompt tokens loaded
+from Redis) and two setup requests; every other completion goes through the router
+(``kv_aware``, session affinity). First two sessions are placed on different engines by
+the router's KV index: a prompt sent straight to each engine, then again through the
+router as a new session's first request, must go to the engine that holds it. Then one
+prompt in session 1 and the same prompt in session 2: the router keeps session 2 on its
+engine although the other one holds the prompt, so the checks prove that a block stored
+by one engine was loaded from Redis by the other: different engines served the two
+requests, with the same text; the first engine loaded nothing from Redis and the second
+loaded prompt tokens. Then ``umbp-redis ls`` inside the stack lists the keys, Redis runs
+with the configured ``maxmemory`` and ``allkeys-lru``, no container's log holds the
+password. Last, ``down -v`` and a check that nothing of the project is left. Exit status
+0 only if every check passed.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,6 +46,7 @@ BASE_IMAGE = "umbp-local/debian:bookworm"
 REDIS_IMAGE = "umbp-local/redis:7"
 ENGINE_IMAGE = "umbp-local/vllm-cpu:0.32.0"
 VALKEY_IMAGE = "umbp-local/valkey:8"
+ROUTER_IMAGE = "umbp-local/vllm-router:0.1.17"
 PROJECT = "umbp-redis-check"
 MAXMEMORY = "256mb"
 T0 = time.monotonic()
@@ -135,8 +146,15 @@ class HostFirewall:
         self.switch = self.SWITCH.read_text().strip() if self.SWITCH.exists() else "0"
 
     def restore(self) -> None:
+        """The rules as saved; where there were none, dockerd's chains are flushed and
+        removed and FORWARD accepts again (iptables-restore of nothing changes nothing)."""
         if self.rules is not None and shutil.which("iptables-restore") is not None:
             subprocess.run(["iptables-restore"], input=self.rules, text=True, check=False)
+            if not self.rules.strip():
+                for table in ("filter", "nat"):
+                    for op in ("-F", "-X"):
+                        subprocess.run(["iptables", "-t", table, op], check=False)
+                subprocess.run(["iptables", "-P", "FORWARD", "ACCEPT"], check=False)
         if self.SWITCH.exists():
             self.SWITCH.write_text(self.switch + "\n")
 
@@ -219,7 +237,8 @@ def build_valkey_image(binaries: Path, base: str) -> None:
 
 
 def stack_cmd(compose: list[str]) -> list[str]:
-    """The compose command of the check's project: the CPU file, both engines."""
+    """The compose command of the check's project: the CPU file, both engines and the
+    router."""
     return [*compose, "-p", PROJECT, "-f", "docker-compose.cpu.yml", "--profile", "second"]
 
 
@@ -252,9 +271,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http_json(url: str, body: dict[str, object] | None = None, timeout: float = 120) -> dict:  # type: ignore[type-arg]
+def http_json(
+    url: str,
+    body: dict[str, object] | None = None,
+    timeout: float = 120,
+    headers: dict[str, str] | None = None,
+) -> dict:  # type: ignore[type-arg]
+    """The JSON answer to a GET (``body`` None) or a POST of ``body`` as JSON."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())  # type: ignore[no-any-return]
 
@@ -312,35 +339,141 @@ def project_leftovers() -> list[str]:
     return left
 
 
-def run_stack(compose: list[str], env: dict[str, str], ports: tuple[int, int]) -> None:
+FINISHED = "vllm:request_success_total"
+LOADED = "vllm:external_prefix_cache_hits_total"
+
+
+def wait_routable(router: int, timeout_s: float) -> None:
+    """Until the router lists both engines as healthy workers (its health checks take
+    an engine out while it does not answer and put it back once it does)."""
+    end = time.monotonic() + timeout_s
+    workers: list[dict] = []  # type: ignore[type-arg]
+    while time.monotonic() < end:
+        try:
+            workers = http_json(f"http://127.0.0.1:{router}/workers", timeout=5)["workers"]
+        except OSError:
+            workers = []
+        if len(workers) == 2 and all(w["is_healthy"] for w in workers):
+            return
+        time.sleep(2)
+    raise CheckFailed(
+        f"the router did not list two healthy engines within {timeout_s:.0f} s: {workers}"
+    )
+
+
+def finished(engines: Sequence[int]) -> list[float]:
+    """How many requests each engine has finished (its /metrics)."""
+    return [metric(p, FINISHED) for p in engines]
+
+
+def served_by(engines: Sequence[int], before: list[float], expected: int) -> list[int]:
+    """Each engine's count of requests finished since ``before``, once they add up to
+    ``expected`` (an engine's counters reach /metrics a moment after its answer)."""
+    end = time.monotonic() + 30
+    while True:
+        delta = [int(a - b) for a, b in zip(finished(engines), before, strict=True)]
+        if sum(delta) >= expected or time.monotonic() > end:
+            return delta
+        time.sleep(0.5)
+
+
+def complete(router: int, body: dict[str, object], session: str, timeout: float = 120) -> str:
+    """The text of one completion sent through the router in ``session`` (the
+    ``x-session-id`` header its session affinity reads)."""
+    try:
+        answer = http_json(
+            f"http://127.0.0.1:{router}/v1/completions",
+            body,
+            timeout=timeout,
+            headers={"x-session-id": session},
+        )
+    except urllib.error.HTTPError as e:
+        raise CheckFailed(f"the router answered {e.code}: {e.read()[:500]!r}") from None
+    return str(answer["choices"][0]["text"])
+
+
+def routed(
+    router: int, engines: Sequence[int], body: dict[str, object], session: str
+) -> tuple[str, int]:
+    """One completion through the router in ``session``: its text and the index of the
+    engine that served it (the one whose finished-requests count rose)."""
+    before = finished(engines)
+    text = complete(router, body, session)
+    delta = served_by(engines, before, 1)
+    if sorted(delta) != [0, 1]:
+        raise CheckFailed(f"a request routed in session {session} was finished {delta} times")
+    return text, delta.index(1)
+
+
+def pin_sessions(router: int, engines: Sequence[int], model: str) -> tuple[str, str]:
+    """Two session ids that the router keeps on engine 1 and engine 2, in that order,
+    placed by the router's KV index: a prompt is sent straight to each engine (the only
+    requests that bypass the router), so that engine alone holds it and says so in its
+    KV events; then each prompt again through the router as a new session's first
+    request. The engines' load is equal, so only the index can tell them apart; a
+    session then stays on its first engine. Raises CheckFailed where a session's first
+    request went to the engine that does not hold its prompt."""
+    sessions = ("compose-check-1", "compose-check-2")
+    prompts = [
+        {"model": model, "prompt": " ".join(f"pin{i}w{j % 89}" for j in range(60)), "max_tokens": 1}
+        for i in range(len(engines))
+    ]
+    for port, body in zip(engines, prompts, strict=True):
+        http_json(f"http://127.0.0.1:{port}/v1/completions", body)
+    time.sleep(1)  # the engines' events reach the router
+    placed = [routed(router, engines, b, s)[1] for b, s in zip(prompts, sessions, strict=True)]
+    check(
+        placed == [0, 1],
+        f"new sessions went to the engine that alone held their prompt (engines "
+        f"{[e + 1 for e in placed]}): the router indexes both engines' KV events",
+    )
+    return sessions
+
+
+def run_stack(
+    compose: list[str], env: dict[str, str], router: int, engines: tuple[int, int]
+) -> None:
     password = env["REDIS_PASSWORD"]
     up = stack_cmd(compose)
-    with step("compose up (Redis and two CPU engines)"):
+    with step("compose up (Redis, two CPU engines, the router)"):
         run(*up, "up", "-d", env=env)
-        for p in ports:
+        for p in engines:
             wait_healthy(p, 900)
+        wait_routable(router, 180)
     say(f"the stack's server: {server_version(up, env)}")
+    check(True, "the router lists both engines as healthy workers")
+    with step("two sessions placed on different engines by the router's KV index"):
+        by_engine = pin_sessions(router, engines, env["MODEL"])
     prompt = " ".join(f"word{i % 97}" for i in range(300))
     body = {"model": env["MODEL"], "prompt": prompt, "max_tokens": 12, "temperature": 0}
-    with step("the same prompt on engine 1, then engine 2"):
-        first = http_json(f"http://127.0.0.1:{ports[0]}/v1/completions", body)
-        # Engine 1's stores land after its answer: wait until Redis holds keys and their
-        # count stopped growing (engine 1's stored-blocks counter on /metrics was once
-        # seen to lag behind Redis for a minute, so it is not asked).
+    with step("the same prompt through the router in each session"):
+        loaded_before = [metric(p, LOADED) for p in engines]
+        keys_before = int(redis_cli(up, env, "dbsize"))
+        text1, first = routed(router, engines, body, by_engine[0])
+        # Engine 1's stores land after its answer: wait until Redis holds more keys than
+        # before and their count stopped growing (engine 1's stored-blocks counter on
+        # /metrics was once seen to lag behind Redis for a minute, so it is not asked).
         end, seen = time.monotonic() + 60, -1
         while True:
             keys = int(redis_cli(up, env, "dbsize"))
-            if keys > 0 and keys == seen:
+            if keys > keys_before and keys == seen:
                 break
             if time.monotonic() > end:
-                raise CheckFailed(f"Redis held {keys} keys 60 s after engine 1 answered")
+                raise CheckFailed(
+                    f"Redis held {keys} keys 60 s after engine 1 answered ({keys_before} before)"
+                )
             seen = keys
             time.sleep(1)
-        second = http_json(f"http://127.0.0.1:{ports[1]}/v1/completions", body)
-    text1, text2 = first["choices"][0]["text"], second["choices"][0]["text"]
+        text2, second = routed(router, engines, body, by_engine[1])
+        loaded = [metric(p, LOADED) - b for p, b in zip(engines, loaded_before, strict=True)]
+    check(
+        (first, second) == (0, 1),
+        "the router served session 1 on engine 1 and session 2 on engine 2, though engine 1 "
+        "held the prompt",
+    )
     check(text1 == text2, f"both engines answered the same text ({text1[:40]!r})")
-    hits = metric(ports[1], "vllm:external_prefix_cache_hits_total")
-    check(hits > 0, f"engine 2 loaded {hits:.0f} prompt tokens from Redis")
+    check(loaded[0] == 0, "engine 1 computed the prompt (it loaded nothing from Redis)")
+    check(loaded[1] > 0, f"engine 2 loaded {loaded[1]:.0f} prompt tokens from Redis")
     ls = json.loads(
         run(
             *up,
@@ -443,15 +576,30 @@ def main() -> int:
                 ".",
                 capture=True,
             )
+        with step(f"router image {ROUTER_IMAGE} (cached after the first build)"):
+            run(
+                "docker",
+                "build",
+                "-q",
+                "-f",
+                "docker/router.Dockerfile",
+                "--build-arg",
+                f"BASE_IMAGE={base}",
+                "-t",
+                ROUTER_IMAGE,
+                ".",
+                capture=True,
+            )
         with step("tiny model"):
             from umbp_redis.ops.tiny_model import build_tiny_llama
 
             models = ROOT / ".umbp-test-cache" / "compose-models"
             build_tiny_llama(models / "tiny-llama")
-        ports = (free_port(), free_port())
+        router, engines = free_port(), (free_port(), free_port())
         env = {
             "REDIS_IMAGE": server_image,
             "VLLM_IMAGE": ENGINE_IMAGE,
+            "ROUTER_IMAGE": ROUTER_IMAGE,
             "REDIS_PASSWORD": secrets.token_hex(16),
             "UMBP_REDIS_MAXMEMORY": MAXMEMORY,
             "MODEL": "/models/tiny-llama",
@@ -460,11 +608,15 @@ def main() -> int:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "0",
             "VLLM_SECOND_CPU_OMP_THREADS_BIND": str(min(1, (os.cpu_count() or 1) - 1)),
-            "VLLM_PORT": str(ports[0]),
-            "VLLM_SECOND_PORT": str(ports[1]),
+            "ROUTER_PORT": str(router),
+            "VLLM_PORT": str(engines[0]),
+            "VLLM_SECOND_PORT": str(engines[1]),
             "HF_CACHE": tempfile.mkdtemp(prefix="umbp-hf-"),
+            # compose v1.29 gives up on a daemon call after 60 s: removing an engine's
+            # container (a full copy of its image under vfs) takes longer on a busy host.
+            "COMPOSE_HTTP_TIMEOUT": "600",
         }
-        run_stack(compose, env, ports)
+        run_stack(compose, env, router, engines)
     except MachineUnfit as e:
         print(f"compose_check skipped: {e}", file=sys.stderr)
         return 0 if args.if_possible else 2

@@ -1,4 +1,5 @@
-"""docker-compose.yml: structure, cache settings, and the embedded kv-transfer config."""
+"""The compose files: structure, cache settings, the embedded kv-transfer config, and the
+router in front of the engines."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 from umbp_redis.engine.options import CONNECTOR_OPTIONS
@@ -214,3 +216,122 @@ def test_the_valkey_variant_runs_valkey_with_the_same_cache_settings() -> None:
     assert '--io-threads "${VALKEY_IO_THREADS}"' in cmd
     assert str(valkey["environment"]["VALKEY_IO_THREADS"]) == "2"
     assert "valkey-cli ping" in " ".join(valkey["healthcheck"]["test"])
+
+
+ROUTED_FILES = ("docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.cluster.yml")
+ENGINES = ("vllm", "vllm-second")
+
+
+def _flags(command: list[str]) -> dict[str, list[str]]:
+    """A command's ``--flag=value`` and bare ``--flag`` arguments, each flag's values in
+    order; values that follow a bare flag (``--worker-urls A B``) are its values."""
+    flags: dict[str, list[str]] = {}
+    last = ""
+    for arg in command:
+        if arg.startswith("--"):
+            last, _, value = arg.partition("=")
+            flags.setdefault(last, [])
+            if value:
+                flags[last].append(value)
+        else:
+            flags[last].append(arg)
+    return flags
+
+
+def _events_config(engine: dict) -> dict:  # type: ignore[type-arg]
+    return json.loads(_flags(engine["command"])["--kv-events-config"][0])
+
+
+@pytest.mark.parametrize("name", ROUTED_FILES)
+def test_the_router_routes_by_the_kv_events_of_every_engine(name: str) -> None:
+    """vllm-router (kv_aware) lists both engines, subscribes to each one's event and
+    replay sockets as the engine binds them, at the engines' block size, and is the
+    published entry point; the engines serve the /render endpoints it tokenizes with."""
+    services = compose(name)["services"]
+    router = services["router"]
+    flags = _flags(router["command"])
+    assert flags["--policy"] == ["kv_aware"]
+    assert flags["--host"] == ["0.0.0.0"] and flags["--port"] == ["8000"]
+    urls = [f"http://{e}:8000" for e in ENGINES]
+    assert flags["--worker-urls"] == urls
+    sources = dict(s.split("=", 1) for s in flags["--kv-event-source"])
+    replays = dict(s.split("=", 1) for s in flags["--kv-event-replay-source"])
+    assert set(sources) == set(replays) == set(urls)
+    for engine_name, url in zip(ENGINES, urls, strict=True):
+        engine = _flags(services[engine_name]["command"])
+        assert engine["--port"] == ["8000"] and "--enable-scale-out" in engine
+        assert engine["--block-size"] == flags["--kv-event-block-size"]
+        events = _events_config(services[engine_name])
+        assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+        assert not events.get("topic")  # the router drops frames of any other topic
+        # The engine binds (``*``); the router connects to the engine's service name.
+        for key, routed_to in (("endpoint", sources[url]), ("replay_endpoint", replays[url])):
+            assert events[key].startswith("tcp://*:")
+            assert routed_to == f"tcp://{engine_name}:{events[key].rsplit(':', 1)[1]}"
+    assert flags["--kv-event-model"] == ["Qwen/Qwen3-0.6B"]  # MODEL's default
+    assert "profiles" not in router and router["depends_on"] == ["vllm"]
+    assert router["ports"] == ["8000:8000"]  # ROUTER_PORT: the stack's entry point
+    engine_ports = {p for e in ENGINES for p in services[e]["ports"]}
+    assert engine_ports == {"8001:8000", "8002:8000"}
+    assert router["build"]["dockerfile"] == "docker/router.Dockerfile"
+    assert router["image"] == "umbp-redis/vllm-router:0.1.17"
+
+
+def test_the_router_image_installs_the_pinned_router() -> None:
+    text = (ROOT / "docker" / "router.Dockerfile").read_text()
+    assert "ARG VLLM_ROUTER_VERSION=0.1.17" in text
+    assert '"vllm-router==${VLLM_ROUTER_VERSION}"' in text
+    assert 'ENTRYPOINT ["vllm-router"]' in text and "ARG BASE_IMAGE" in text
+
+
+def _compose_clients() -> list[list[str]]:
+    """The compose clients installed here: v2 (``docker compose``), v1.29
+    (``docker-compose``)."""
+    import shutil
+    import subprocess
+
+    found = []
+    if shutil.which("docker") is not None:
+        v2 = subprocess.run(["docker", "compose", "version"], capture_output=True)
+        if v2.returncode == 0:
+            found.append(["docker", "compose"])
+    if shutil.which("docker-compose") is not None:
+        found.append(["docker-compose"])
+    return found
+
+
+# Each stack alone and with its overrides, as the files' headers and docs use them.
+STACKS = (
+    ("docker-compose.yml",),
+    ("docker-compose.yml", "docker-compose.publish.yml"),
+    ("docker-compose.yml", "docker-compose.valkey.yml"),
+    ("docker-compose.cpu.yml",),
+    ("docker-compose.cpu.yml", "docker-compose.valkey.yml"),
+    ("docker-compose.cluster.yml",),
+)
+
+
+@pytest.mark.parametrize("files", STACKS, ids="+".join)
+def test_installed_compose_clients_read_every_stack(files: tuple[str, ...]) -> None:
+    """``config`` of each installed compose client accepts the stack, with and without
+    the second engine's profile, and lists the router among its services."""
+    import os
+    import subprocess
+
+    clients = _compose_clients()
+    if not clients:
+        pytest.skip("no compose client (docker compose or docker-compose) is installed")
+    env = {**os.environ, "REDIS_PASSWORD": "unused"}  # the publish override requires one
+    for client in clients:
+        cmd = [*client, "--project-directory", str(ROOT)]
+        for f in files:
+            cmd += ["-f", str(ROOT / f)]
+        for profile in ([], ["--profile", "second"]):
+            out = subprocess.run(
+                [*cmd, *profile, "config", "--services"], capture_output=True, text=True, env=env
+            )
+            assert out.returncode == 0, (client, files, profile, out.stderr)
+            services = set(out.stdout.split())
+            assert {"vllm", "router"} <= services, (client, files, services)
+            # v1.29 lists profiled services without their profile too; v2 does not.
+            assert "vllm-second" in services or not profile, (client, files, services)
