@@ -328,9 +328,7 @@ def parse_variant(text: str) -> Variant:
             target[key] = value
     if not connector and (options or fields or share):
         raise ValueError(f"--variant {name}: connector=false takes no connector options")
-    return Variant(
-        name, router or None, options, env, fields, share, connector, tuple(router_args)
-    )
+    return Variant(name, router or None, options, env, fields, share, connector, tuple(router_args))
 
 
 def ideal_block_count(shape: ConversationShape, engines: int, block_size: int, blocks: int) -> int:
@@ -598,9 +596,7 @@ def run_config(
         wait_until_routable,
     )
 
-    out = ConfigRun(
-        config.name, repeat, redis_maxmemory=maxmemory, connector=config.connector
-    )
+    out = ConfigRun(config.name, repeat, redis_maxmemory=maxmemory, connector=config.connector)
     policy = config.vllm_router_policy
     late = 1 if plan.join_late_round else 0
     server = EmbeddedRedis(

@@ -213,9 +213,10 @@ class RunningRouter:
             state = self.worker_states().get(base_url, {})
         except (urllib.error.URLError, OSError):
             return False
-        return state.get("vllm_router_worker_health") == 1 and state.get(
-            "vllm_router_cb_state", 0
-        ) != 1
+        return (
+            state.get("vllm_router_worker_health") == 1
+            and state.get("vllm_router_cb_state", 0) != 1
+        )
 
     def metrics(self) -> dict[str, float]:
         """The router's Prometheus samples, each name summed over its labels."""
@@ -262,7 +263,13 @@ def start_vllm_router(
     workers = tuple(w if isinstance(w, RouterWorker) else RouterWorker(*w) for w in engines)
     port, prom = free_port(), free_port()
     cmd = router_command(
-        binary or find_router_binary(), workers, policy, block_size, model_name, port, prom,
+        binary or find_router_binary(),
+        workers,
+        policy,
+        block_size,
+        model_name,
+        port,
+        prom,
         extra_args,
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)
