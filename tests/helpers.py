@@ -322,3 +322,16 @@ def wait_for_events(
         got += feed.take()
         time.sleep(0.01)  # polls a condition, with the deadline above
     return got
+
+
+def skip_without_vllm_router() -> None:
+    """Skip the calling test, with the reason, where the ``vllm-router`` binary is not
+    installed (the ``router`` extra)."""
+    import pytest
+
+    from umbp_redis.ops.vllm_router import RouterMissingError, find_router_binary
+
+    try:
+        find_router_binary()
+    except RouterMissingError as e:
+        pytest.skip(str(e))

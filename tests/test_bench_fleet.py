@@ -10,6 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import skip_without_vllm_router
+
+# Two short conversations. A user reads each answer before the next turn: round r's
+# blocks, stored eagerly after the step that computed them, are in Redis when round
+# r + 1 looks them up on the other engine.
+SHORT_CONVERSATIONS = (
+    "--conversations", "2", "--rounds", "3", "--system-tokens", "300",
+    "--user-tokens", "64", "--assistant-tokens", "100", "--think-time-s", "0.5",
+)  # fmt: skip
 
 pytestmark = pytest.mark.vllm
 
@@ -55,21 +64,7 @@ def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(
     result = run_bench_fleet(
         tiny_model,
         tmp_path,
-        "--conversations",
-        "2",
-        "--rounds",
-        "3",
-        "--system-tokens",
-        "300",
-        "--user-tokens",
-        "64",
-        "--assistant-tokens",
-        "100",
-        # A user reads each answer before the next turn: round r's blocks, stored
-        # eagerly after the step that computed them, are in Redis when round r + 1
-        # looks them up on the other engine.
-        "--think-time-s",
-        "0.5",
+        *SHORT_CONVERSATIONS,
         "--png",
         str(png),
     )
@@ -157,12 +152,7 @@ def test_vllms_client_warms_one_engine_and_the_other_loads_its_prefixes_from_red
 def test_the_fleet_bench_runs_behind_vllm_routers_kv_aware_policy(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from umbp_redis.ops.vllm_router import RouterMissingError, find_router_binary
-
-    try:
-        find_router_binary()
-    except RouterMissingError as e:
-        pytest.skip(str(e))
+    skip_without_vllm_router()
     # One configuration (the connector on) keeps the run short; the routing and the
     # engine identification are the same without it.
     result = run_bench_fleet(
@@ -174,18 +164,7 @@ def test_the_fleet_bench_runs_behind_vllm_routers_kv_aware_policy(
         "vllm-router:kv_aware",
         "--router-arg=--kv-penalty-external",
         "--router-arg=0.6",
-        "--conversations",
-        "2",
-        "--rounds",
-        "3",
-        "--system-tokens",
-        "300",
-        "--user-tokens",
-        "64",
-        "--assistant-tokens",
-        "100",
-        "--think-time-s",
-        "0.5",
+        *SHORT_CONVERSATIONS,
     )
     runs = {r["config"]: r for r in result["runs"]}
     assert set(runs) == {"umbp-redis"}

@@ -15,16 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import skip_without_vllm_router
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.ops.fleet_engines import EngineSpec, start_engines, stop_engines
-from umbp_redis.ops.vllm_router import (
-    RouterMissingError,
-    RouterWorker,
-    find_router_binary,
-    kv_events_config,
-    start_vllm_router,
-)
+from umbp_redis.ops.vllm_router import RouterWorker, kv_events_config, start_vllm_router
 
 pytestmark = pytest.mark.vllm
 
@@ -60,10 +55,7 @@ def _decisions(log_path: Path) -> list[dict[str, str]]:
 def test_a_block_stored_by_one_engine_is_credited_to_the_other_and_routed_there(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    try:
-        find_router_binary()
-    except RouterMissingError as e:
-        pytest.skip(str(e))
+    skip_without_vllm_router()
     import msgspec
     import zmq
     from vllm.distributed.kv_events import BlockStored, KVEventBatch

@@ -113,10 +113,7 @@ class RunningEngine:
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the engine's log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     def ready(self) -> bool:
         """Whether ``/health`` answers 200 (raises ``EngineStartError`` if it exited)."""
@@ -158,6 +155,14 @@ class RunningEngine:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    """The last ``chars`` characters of the log at ``path`` ("" where it cannot be read)."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
 
 
 def process_cpu_seconds(pgid: int) -> dict[str, float]:

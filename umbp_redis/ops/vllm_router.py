@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umbp_redis.ops.embedded_redis import free_port
-from umbp_redis.ops.fleet_engines import parse_prometheus
+from umbp_redis.ops.fleet_engines import log_tail, parse_prometheus
 from umbp_redis.ops.fleet_workload import VLLM_ROUTER, VLLM_ROUTER_POLICIES
 
 BINARY = VLLM_ROUTER
@@ -168,10 +168,7 @@ class RunningRouter:
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the router's log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     def serving(self) -> bool:
         """Whether the router answers ``/list_workers`` with every worker (raises
