@@ -123,6 +123,17 @@ def test_malformed_entries_are_skipped_and_later_ones_relayed(redis_url: str) ->
         lambda: client.xadd(key, dict(zip(good.fields()[::2], good.fields()[1::2], strict=True))),
     )
     assert [e.token_ids for e in got] == [[1, 2, 3, 4]] and f.failures == 0
+    # A whole batch of malformed entries is read past, not read again and again.
+    for _ in range(fleet_blocks.BATCH):
+        client.xadd(key, {"junk": "1"})
+    later = Announcement(True, "other", b"k" * 32, 0, None, (5, 6, 7, 8))
+    client.set(CODEC.marker_key(later.block_hash, 0), b"1", ex=100)
+    got = wait_for_events(
+        f,
+        lambda evs: len(evs) >= 1,
+        lambda: client.xadd(key, dict(zip(later.fields()[::2], later.fields()[1::2], strict=True))),
+    )
+    assert [e.token_ids for e in got] == [[5, 6, 7, 8]] and f.failures == 0
     f.close()
     plane.close()
 

@@ -252,9 +252,9 @@ class FleetBlockFeed:
                     self.failures += 1
                 return
             entries = [e for e in (_entry(x) for x in reply) if e is not None]
-            if entries:
+            if entries:  # past malformed entries too: they are never read again
                 self._last_id = entries[-1][0]
-            anns = [a for _, a in entries if a.engine != self.engine_id]
+            anns = [a for _, a in entries if a is not None and a.engine != self.engine_id]
             if not self._caught_up:
                 anns = self._present([a for a in anns if a.stored])
             self._relay(anns)
@@ -321,15 +321,15 @@ class FleetBlockFeed:
         return out
 
 
-def _entry(raw: Any) -> tuple[bytes, Announcement] | None:
-    """(entry id, announcement) of one ``XRANGE`` reply item, or None if malformed."""
+def _entry(raw: Any) -> tuple[bytes, Announcement | None] | None:
+    """(entry id, announcement) of one ``XRANGE`` reply item: the announcement None
+    where the fields are malformed, the whole None where the item has no id."""
     if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], bytes)):
         return None
     fields = raw[1]
     if not isinstance(fields, list) or not all(isinstance(f, bytes) for f in fields):
-        return None
-    ann = parse_announcement(fields)
-    return None if ann is None else (raw[0], ann)
+        return (raw[0], None)
+    return (raw[0], parse_announcement(fields))
 
 
 def _event_block(a: Announcement) -> EventBlock:
