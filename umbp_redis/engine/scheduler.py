@@ -193,14 +193,14 @@ class UMBPScheduler:
         self.events: StoredBlockEvents | None = None
         # The fleet's blocks on this engine's events, once the namespace is known.
         self.fleet: FleetBlockFeed | None = None
-        self._fleet_settings = (settings.ttl_seconds, settings.op_timeout_s)
+        # (TTL, op timeout) of the feed to start with fleet_events; None: no feed.
+        self._fleet_settings: tuple[int, float] | None = None
         if events_cfg and events_cfg.enable_kv_cache_events:
             specs = group_spec_infos(kv_cache_config.kv_cache_groups)
             self.events = StoredBlockEvents(block_size, self.num_workers, specs)
-            self._fleet_wanted = options.fleet_events
+            if options.fleet_events:
+                self._fleet_settings = (settings.ttl_seconds, settings.op_timeout_s)
             self._start_fleet_feed()
-        else:
-            self._fleet_wanted = False
         sched_cfg = getattr(vllm_config, "scheduler_config", None)
         self.lazy = (
             LazyStorePlanner(
@@ -274,7 +274,7 @@ class UMBPScheduler:
     def _start_fleet_feed(self) -> None:
         """Announce to, and relay from, the namespace's fleet (with ``fleet_events``, KV
         events and a namespace; a feed of another namespace is closed)."""
-        if not self._fleet_wanted or self.codec is None or self.events is None:
+        if self._fleet_settings is None or self.codec is None or self.events is None:
             return
         if self.fleet is not None:
             if self.fleet.codec.namespace == self.codec.namespace:

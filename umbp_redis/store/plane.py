@@ -409,11 +409,8 @@ class RedisDataPlane:
         """The reply of one pre-encoded one-key command: bytes, int, str, None or a list
         of them; None also when the round trip failed, did not end within ``timeout``
         seconds or was refused (counted as ``upkeep_errors``; never raises)."""
-        deadline = time.monotonic() + timeout
         try:
-            with self.pool.connection(deadline=deadline) as conn:
-                send_buffers(conn.sock, [command], use_sendmsg=False, deadline=deadline)
-                reply = conn.reader.read_reply()
+            reply = self._exchange(command, deadline=time.monotonic() + timeout)
         except RedisDataPlaneError as e:
             self.stats.add(upkeep_errors=1)
             log.debug("a keyed query failed: %s", e)
@@ -455,8 +452,13 @@ class RedisDataPlane:
     def _command(self, *args: bytes | str | int, deadline: float | None = None) -> Any:
         """One small command and its reply (raises ``RedisDataPlaneError``); with
         ``deadline`` (monotonic seconds) the exchange ends by then or raises."""
+        return self._exchange(encode_command(*args), deadline=deadline)
+
+    def _exchange(self, command: bytes, *, deadline: float | None = None) -> Any:
+        """Send one pre-encoded command and read its reply (raises
+        ``RedisDataPlaneError``); with ``deadline`` it ends by then or raises."""
         with self.pool.connection(deadline=deadline) as conn:
-            send_buffers(conn.sock, [encode_command(*args)], use_sendmsg=False, deadline=deadline)
+            send_buffers(conn.sock, [command], use_sendmsg=False, deadline=deadline)
             return conn.reader.read_reply()
 
     @staticmethod
