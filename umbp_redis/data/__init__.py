@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         DecodedKey,
         namespace_pattern,
         parse_key,
+        value_pattern,
     )
     from umbp_redis.data.layout import (
         KVLayoutDescriptor,
@@ -112,6 +113,7 @@ _WHERE = {
     "namespace_pattern": "keys",
     "parse_key": "keys",
     "tp_replicated_group_ids": "codec",
+    "value_pattern": "keys",
 }
 
 __all__ = [
@@ -149,6 +151,7 @@ __all__ = [
     "namespace_pattern",
     "parse_key",
     "tp_replicated_group_ids",
+    "value_pattern",
 ]
 
 

@@ -65,6 +65,13 @@ def namespace_pattern(namespace: str | None = None) -> str:
     return f"{KEY_PREFIX}:{namespace or '*'}:*"
 
 
+def value_pattern(namespace: str | None = None, tp_rank: int | None = None) -> str:
+    """A SCAN ``MATCH`` pattern for the block values (never markers, counters or the
+    announcement stream) of ``namespace`` (or every namespace), of one TP rank if given."""
+    rank = f"tp{tp_rank}:" if tp_rank is not None else "tp"
+    return f"{KEY_PREFIX}:{namespace or '*'}:{rank}*"
+
+
 def old_schema_patterns() -> tuple[str, ...]:
     """SCAN ``MATCH`` patterns for every key of an earlier key-schema version."""
     return tuple(f"{p}:*" for p in OLD_KEY_PREFIXES)
