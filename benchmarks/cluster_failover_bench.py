@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from umbp_redis.data import BlockIdentityCodec
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
 from umbp_redis.store.cluster import ClusterDataPlane
 from umbp_redis.store.plane import LoadStatus, StoreStatus
@@ -33,7 +34,8 @@ def measure(node_timeout_ms: int) -> tuple[float, float, int]:
         deadline = time.monotonic() + 10
         while plane.slot_map is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        keys = [f"umbp:vllm:v2:bench:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(N)]
+        codec = BlockIdentityCodec("bench")
+        keys = [codec.key(i.to_bytes(32, "big"), 0) for i in range(N)]
         data = np.random.default_rng(0).integers(0, 256, (N, 4096), dtype=np.uint8)
         stored = plane.store([(k, data[i]) for i, k in enumerate(keys)], FINGERPRINT)
         assert stored == [StoreStatus.STORED] * N

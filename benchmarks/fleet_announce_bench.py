@@ -129,7 +129,7 @@ def run(engines: int, blocks: int, per_event: int, rate: float) -> dict[str, flo
         cpu1 = _cpu_s(r)
         pipe = r.pipeline(transaction=False)
         for n in range(total):
-            pipe.set(f"umbp:vllm:v2:annbench:stored:g0:base{n}", b"1", ex=3600)
+            pipe.set(codec.marker_key(b"base" + n.to_bytes(28, "big"), 0), b"1", ex=3600)
             if n % 1000 == 999:
                 pipe.execute()
         pipe.execute()

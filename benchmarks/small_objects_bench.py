@@ -77,9 +77,9 @@ def bare_receive(port: int, keys: list[str], inflight: int) -> float:
         b"*4\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n$1\r\nb\r\n" % (len(k), k.encode())
         for k in keys
     ]
-    from umbp_redis.store.plane import _groups  # the data plane's own windows
+    from umbp_redis.store.plane import _byte_windows  # the data plane's own windows
 
-    groups = _groups(sizes, inflight // 2)
+    groups = _byte_windows(sizes, inflight // 2)
     scratch = memoryview(bytearray(max(sum(sizes[i] for i in g) for g in groups)))
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--inflight", default="4194304,1048576", help="max_inflight_bytes values")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from umbp_redis.data import BlockIdentityCodec
     from umbp_redis.ops.bench_dataplane import FINGERPRINT, FRESH_KEYSPACE
     from umbp_redis.ops.embedded_redis import EmbeddedRedis
     from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
@@ -142,7 +143,8 @@ def main() -> None:
         }
         staging = np.random.default_rng(2).integers(0, 256, (count, size), dtype=np.uint8)
         dest = np.zeros_like(staging)
-        keys = [f"umbp:vllm:v2:small:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(count)]
+        codec = BlockIdentityCodec("small")
+        keys = [codec.key(i.to_bytes(32, "big"), 0) for i in range(count)]
         stores = list(zip(keys, staging, strict=True))
         loads = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
         admin = redis.Redis.from_url(srv.url)

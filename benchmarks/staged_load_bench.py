@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 from gpu_copy_bench import build_cache  # this script's folder is on sys.path
 
-from umbp_redis.data import KVLayoutPlanner, StagingCopyPlan
+from umbp_redis.data import BlockIdentityCodec, KVLayoutPlanner, StagingCopyPlan
 from umbp_redis.engine.copy.factory import make_block_copier
 from umbp_redis.engine.load_scatter import ScatterAsLoaded
 from umbp_redis.engine.staging import StagingPool
@@ -92,7 +92,8 @@ def main() -> None:
 
     with EmbeddedRedis() as srv:
         plane = RedisDataPlane(RedisSettings.from_url(srv.url))
-        keys = [f"umbp:bench:staged:g0:{i:064x}" for i in range(n)]
+        codec = BlockIdentityCodec("bench-staged")
+        keys = [codec.key(i.to_bytes(32, "big"), 0) for i in range(n)]
         items = [(k, pool.array(i)[:size]) for i, k in enumerate(keys)]
         assert plane.store(items, FP) == [StoreStatus.STORED] * n
 

@@ -26,6 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from keys import block_keys  # noqa: E402
 from test_redis_tier import Spec, finish, job, keys, offloading_config  # noqa: E402
 
 from umbp_redis.engine.redis_tier import UMBPRedisTier  # noqa: E402
@@ -64,7 +65,7 @@ def run(url: str, chunk_bytes: int, n: int, repeats: int) -> dict[str, list[floa
             tier.submit_load(job(2, ks, list(range(n, 2 * n)), promotion=True))
             assert finish(tier, 2).success
             out["tier load"].append(_gbps(total, time.perf_counter() - t0))
-            pk = [f"umbp:bench:plane:{r}:{i}" for i in range(n)]
+            pk = block_keys(n, f"plane{r}", "bench")
             t0 = time.perf_counter()
             st = plane.store(list(zip(pk, bufs[:n], strict=True)), FP)
             out["plane store"].append(_gbps(total, time.perf_counter() - t0))

@@ -274,10 +274,14 @@ def _wait_for_markers(url: str, quiet_s: float = 5.0, limit_s: float = 600.0) ->
     pass's stores are done), at most ``limit_s``."""
     import redis as redis_py
 
+    from umbp_redis.data import namespace_pattern
+    from umbp_redis.data.keys import is_marker_key
+
     client = redis_py.Redis.from_url(url)
     last, since, deadline = -1, time.monotonic(), time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        n = sum(1 for _ in client.scan_iter(match="umbp:vllm:v2:*:stored:*", count=1000))
+        keys = client.scan_iter(match=namespace_pattern(), count=1000)
+        n = sum(1 for k in keys if is_marker_key(k))
         if n != last:
             last, since = n, time.monotonic()
         elif time.monotonic() - since >= quiet_s:

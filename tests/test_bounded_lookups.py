@@ -16,7 +16,9 @@ import pytest
 import redis
 from fake_servers import FakeServer
 from helpers import check_stored_markers, documented_acl, wait_until_server_is_asleep
+from keys import block_keys
 
+from umbp_redis.data import BlockIdentityCodec
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.store import resp
 from umbp_redis.store.deployment import open_plane
@@ -27,10 +29,7 @@ FP = b"\x05" * 16
 TIMEOUT = 0.25
 # Scheduling noise on a loaded 2-core machine; the bug this guards against cost seconds.
 MARGIN = 0.2
-
-
-def keys_for(n: int, tag: str = "b") -> list[str]:
-    return [f"umbp:vllm:v2:bl:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
+NS = "bl"
 
 
 def make_plane(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
@@ -41,7 +40,7 @@ def timed_lookups(plane: RedisDataPlane, n: int = 8) -> list[float]:
     out = []
     for _ in range(n):
         t0 = time.monotonic()
-        assert plane.lookup(keys_for(50)) is None
+        assert plane.lookup(block_keys(50, namespace=NS)) is None
         out.append(time.monotonic() - t0)
     return out
 
@@ -100,7 +99,7 @@ def test_debug_sleep_bounds_lookups_and_opens_no_fail_fast_window(
     r = redis.Redis.from_url(own_redis.url)
     r.config_set("enable-debug-command", "yes") if _debug_needs_enabling(r) else None
     plane = make_plane(own_redis.url, fail_fast_s=5.0)
-    k = keys_for(1, "s")[0]
+    k = block_keys(1, "s", NS)[0]
     assert plane.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
     assert plane.lookup([k]) == [True]  # the warm connection is up
     sleeper = threading.Thread(
@@ -132,7 +131,7 @@ def _debug_needs_enabling(r: redis.Redis) -> bool:
 
 def test_lookups_and_stores_keep_separate_health(own_redis: EmbeddedRedis) -> None:
     plane = make_plane(own_redis.url, fail_fast_s=30.0)
-    k = keys_for(1, "h")[0]
+    k = block_keys(1, "h", NS)[0]
     assert plane.lookup([k]) == [False]
     plane.pool.note_failure(RuntimeError("a failed transfer"))  # transfers fail fast now
     assert plane.store([(k, np.ones(8, dtype=np.uint8))], FP) == [StoreStatus.ERROR]
@@ -185,10 +184,10 @@ def test_auth_failures_are_logged_once_at_error_and_counted(
     plane = RedisDataPlane(settings)
     caplog.set_level(logging.DEBUG)
     for _ in range(4):
-        assert plane.lookup(keys_for(3)) is None
+        assert plane.lookup(block_keys(3, namespace=NS)) is None
         time.sleep(0.06)
     dst = np.zeros(8, dtype=np.uint8)
-    assert plane.load([(keys_for(1)[0], dst.data)], FP) in (
+    assert plane.load([(block_keys(1, namespace=NS)[0], dst.data)], FP) in (
         [LoadStatus.ERROR],
         [LoadStatus.MISSING],  # NOPERM users may not read the key either: never a hit
     )
@@ -208,7 +207,7 @@ def test_auth_failures_are_logged_once_at_error_and_counted(
 def test_client_setname_is_best_effort(secured: EmbeddedRedis) -> None:
     url = f"redis://lean:lean-pass@127.0.0.1:{secured.port}/0"
     plane = make_plane(url)
-    k = keys_for(1, "lean")[0]
+    k = block_keys(1, "lean", NS)[0]
     assert plane.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
     assert plane.lookup([k]) == [True]
     assert plane.counters()["auth_failures"] == 0
@@ -226,7 +225,7 @@ def test_the_documented_minimal_acl_is_enough(
         with caplog.at_level(logging.WARNING):
             plane = open_plane(RedisSettings.from_url(url, refresh_ttl_on_lookup=refresh))
         assert isinstance(plane, RedisDataPlane) and not caplog.records
-        k, bad = keys_for(2, f"acl{int(refresh)}")
+        k, bad = block_keys(2, f"acl{int(refresh)}", NS)
         payload = np.arange(4096, dtype=np.uint8)
         assert plane.store([(k, payload)], FP) == [StoreStatus.STORED]
         assert plane.lookup([k, bad]) == [True, False]
@@ -234,7 +233,7 @@ def test_the_documented_minimal_acl_is_enough(
         assert plane.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
         assert np.array_equal(dst, payload)
         assert plane.delete([k]) == 1
-        counter = b"umbp:vllm:v2:acl:asked:" + b"0" * 64
+        counter = (BlockIdentityCodec("acl").request_count_prefix + "00" * 32).encode()
         assert plane.run_keyed([(counter, resp.encode_command(b"INCR", counter))], timeout=2) == [1]
         admin = redis.Redis(host="127.0.0.1", port=own_redis.port, db=1)
         check_stored_markers(plane, admin)  # SET, EXPIRE, UNLINK of markers and values

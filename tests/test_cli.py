@@ -9,8 +9,12 @@ import sys
 import pytest
 import redis
 from helpers import FP, cli, fill
+from keys import block_keys
 from typed_redis import raw
 
+from umbp_redis.data import KEY_PREFIX, BlockIdentityCodec, namespace_pattern, parse_key
+from umbp_redis.data.announcements import announcement_key
+from umbp_redis.data.keys import OLD_KEY_PREFIXES
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.store.settings import RedisSettings
 
@@ -45,7 +49,8 @@ def test_inspect_valid_and_invalid(redis_url: str) -> None:
     assert info["format_version"] == 2 and info["payload_len"] == 4096
     assert info["layout_fingerprint"] == FP.hex() and info["key_digest"] == "ok"
     r = redis.Redis.from_url(redis_url)
-    moved = keys[0][:-2] + "ff"
+    decoded = parse_key(keys[0])
+    moved = BlockIdentityCodec("nsi").key(decoded.block_hash[:-1] + b"\xff", decoded.group_id)
     r.copy(keys[0], moved)  # a valid value, but of another key
     other = cli("inspect", moved, "--redis-url", redis_url, "--json")
     assert other.returncode == 1 and "key digest" in json.loads(other.stdout)["error"]
@@ -54,7 +59,7 @@ def test_inspect_valid_and_invalid(redis_url: str) -> None:
     bad = cli("inspect", keys[1], "--redis-url", redis_url, "--json")
     assert bad.returncode == 1 and json.loads(bad.stdout)["valid"] is False
     assert "magic" in json.loads(bad.stdout)["error"]
-    missing = cli("inspect", "umbp:vllm:v2:x:tp0:pcp0:dcp0:pp0:g0:00", "--redis-url", redis_url)
+    missing = cli("inspect", block_keys(1, namespace="x")[0], "--redis-url", redis_url)
     assert missing.returncode == 1
 
 
@@ -90,32 +95,35 @@ def test_stats(redis_url: str) -> None:
 
 
 def test_purge_leaves_other_namespaces(redis_url: str) -> None:
-    fill(redis_url, "gone", 1200)
+    gone = fill(redis_url, "gone", 1200)
     fill(redis_url, "kept", 7)
     r = redis.Redis.from_url(redis_url)
     r.set("unrelated", b"x")
     for ns in ("gone", "kept"):  # each namespace's fleet announcements
-        r.xadd(f"umbp:vllm:v2:{ns}:announced", {"o": "s"})
+        r.xadd(announcement_key(ns), {"o": "s"})
     refused = cli("purge", "--namespace", "gone", "--redis-url", redis_url, input_text="")
-    assert refused.returncode != 0 and r.exists(f"umbp:vllm:v2:gone:tp0:pcp0:dcp0:pp0:g0:{0:064x}")
+    assert refused.returncode != 0 and r.exists(gone[0])
     ls = json.loads(cli("ls", "--redis-url", redis_url, "--json").stdout)
     assert ls["namespaces"] == {"gone": 1200, "kept": 7}  # the streams are no block keys
     out = cli("purge", "--namespace", "gone", "--yes", "--redis-url", redis_url, "--json")
     assert json.loads(out.stdout)["deleted"] == 1201
-    assert len(list(r.scan_iter(match="umbp:vllm:v2:gone:*"))) == 0
-    assert len(list(r.scan_iter(match="umbp:vllm:v2:kept:*"))) == 8
+    assert len(list(r.scan_iter(match=namespace_pattern("gone")))) == 0
+    assert len(list(r.scan_iter(match=namespace_pattern("kept")))) == 8
     assert r.exists("unrelated")
 
 
 def test_markers_are_counted_and_old_schema_keys_purged_alone(redis_url: str) -> None:
     keys = fill(redis_url, "nsm", 3)
     r = redis.Redis.from_url(redis_url)
-    marker = "umbp:vllm:v2:nsm:stored:g0:" + keys[0].rsplit(":", 1)[1]
+    marker = BlockIdentityCodec("nsm").marker_key(parse_key(keys[0]).block_hash, 0).decode()
     r.set(marker, b"1", ex=100)
-    old = [f"umbp:vllm:v1:nsm:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(4)]
+    # Keys of the earlier schema version, shaped like today's.
+    old = [OLD_KEY_PREFIXES[0] + k.removeprefix(KEY_PREFIX) for k in block_keys(4, "old", "nsm")]
     for k in old:
         r.hset(k, "h", b"x")
-    r.set("umbp:vllm:v3:future:key", b"x")  # not an earlier schema: never touched
+    name, version = KEY_PREFIX.rsplit(":v", 1)
+    future = f"{name}:v{int(version) + 1}:future:key"
+    r.set(future, b"x")  # not an earlier schema: never touched
     ls = json.loads(cli("ls", "--redis-url", redis_url, "--json").stdout)
     assert ls["namespaces"] == {"nsm": 3} and ls["stored_markers"] == {"nsm": 1}
     assert ls["old_schema_keys"] == 4
@@ -128,7 +136,7 @@ def test_markers_are_counted_and_old_schema_keys_purged_alone(redis_url: str) ->
     out = cli("purge", "--old-schemas", "--yes", "--redis-url", redis_url, "--json")
     assert json.loads(out.stdout)["deleted"] == 4 and not any(r.exists(k) for k in old)
     assert r.exists(marker) and all(r.exists(k) for k in keys)
-    assert r.exists("umbp:vllm:v3:future:key")
+    assert r.exists(future)
 
 
 @pytest.mark.parametrize("namespace", ["", "*", "ke*", "k?pt", "[gk]*", "a:b"])
@@ -138,7 +146,7 @@ def test_purge_refuses_empty_and_glob_namespaces(redis_url: str, namespace: str)
     out = cli("purge", "--namespace", namespace, "--yes", "--redis-url", redis_url)
     assert out.returncode == 2 and "exact namespace" in out.stderr
     r = redis.Redis.from_url(redis_url)
-    assert len(list(r.scan_iter(match="umbp:vllm:v2:*"))) == 5
+    assert len(list(r.scan_iter(match=namespace_pattern()))) == 5
 
 
 def test_purge_all_needs_all_and_a_confirmation(redis_url: str) -> None:
@@ -148,10 +156,10 @@ def test_purge_all_needs_all_and_a_confirmation(redis_url: str) -> None:
     r.set("unrelated", b"x")
     assert cli("purge", "--redis-url", redis_url, "--yes").returncode == 2  # neither flag
     no_tty = cli("purge", "--all", "--redis-url", redis_url, input_text="all\n")
-    assert no_tty.returncode == 2 and len(list(r.scan_iter(match="umbp:vllm:v2:*"))) == 5
+    assert no_tty.returncode == 2 and len(list(r.scan_iter(match=namespace_pattern()))) == 5
     out = cli("purge", "--all", "--yes", "--redis-url", redis_url, "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["deleted"] == 5
-    assert not list(r.scan_iter(match="umbp:vllm:v2:*")) and r.exists("unrelated")
+    assert not list(r.scan_iter(match=namespace_pattern())) and r.exists("unrelated")
 
 
 def test_cli_reads_urls_as_the_connector_does(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,7 +230,7 @@ def test_bench_touches_only_its_own_keys(redis_url: str) -> None:
     r.set("precious", b"x")
     # redis-benchmark's own default key: its SET would overwrite a user's value there.
     r.set("key:__rand_int__", b"mine")
-    fill(redis_url, "users", 3)
+    users = fill(redis_url, "users", 3)
     env = {**__import__("os").environ, "UMBP_REDIS_URL": redis_url}
     args = ["bench", "dataplane", "--sizes", "65536", "--total-mib", "2", "--repeats", "1"]
     # $UMBP_REDIS_URL is not a target: without --redis-url a private server is used.
@@ -241,6 +249,5 @@ def test_bench_touches_only_its_own_keys(redis_url: str) -> None:
     assert "checksum cost" in out.stdout
     assert r.get("precious") == b"x" and r.get("key:__rand_int__") == b"mine"
     assert sorted(k.decode() for k in r.scan_iter()) == sorted(
-        ["precious", "key:__rand_int__"]
-        + [f"umbp:vllm:v2:users:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(3)]
+        ["precious", "key:__rand_int__", *users]
     )

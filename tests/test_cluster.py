@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import redis
 from helpers import check_fleet_feed, check_stored_markers, cli, documented_acl, fill
+from keys import block_hash, block_keys, counter_prefix, rank_prefixes
 from typed_redis import raw
 
-from umbp_redis.data.keys import KEY_PREFIX
-from umbp_redis.data.namespace import UMBPNamespace
+from umbp_redis.data import BlockIdentityCodec, RankTopology, UMBPNamespace
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.store.cluster import ClusterDataPlane
@@ -59,8 +59,9 @@ def cluster_plane(url: str, **kw) -> ClusterDataPlane:  # type: ignore[no-untype
     return plane
 
 
-def keys_for(n: int, tag: str = "c") -> list[bytes]:
-    return [f"umbp:vllm:v2:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}".encode() for i in range(n)]
+def byte_keys(n: int, tag: str = "c") -> list[bytes]:
+    """``block_keys`` as the cluster client reads them back (bytes)."""
+    return [k.encode() for k in block_keys(n, tag)]
 
 
 def payloads(n: int, seed: int = 0) -> np.ndarray:
@@ -68,8 +69,9 @@ def payloads(n: int, seed: int = 0) -> np.ndarray:
 
 
 def key_in_slot(slot: int, tag: str = "s") -> bytes:
+    codec = BlockIdentityCodec("test")
     for i in range(1_000_000):
-        k = f"umbp:vllm:v2:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}".encode()
+        k = codec.key(block_hash(tag, i), 0).encode()
         if key_slot(k) == slot:
             return k
     raise AssertionError("no key found")
@@ -142,7 +144,8 @@ def test_keys_never_carry_hash_tags() -> None:
         with pytest.raises(ValueError, match="key_namespace"):
             UMBPNamespace(bad)
     ns = UMBPNamespace("team.a-1")
-    key = f"{KEY_PREFIX}:{ns.value}:tp3:pcp0:dcp0:pp0:g0:{'ab' * 32}".encode()
+    codec = BlockIdentityCodec(ns.value, RankTopology(tp_rank=3, tp_size=4))
+    key = codec.key(b"\xab" * 32, 0).encode()
     assert key_slot(key) == binascii.crc_hqx(key, 0) % SLOTS
 
 
@@ -260,7 +263,7 @@ def test_keys_spread_over_every_master_and_results_equal_standalone(
 ) -> None:
     plane = cluster_plane(clean_cluster.url)
     single = RedisDataPlane(RedisSettings.from_url(redis_url))
-    keys = keys_for(90)
+    keys = byte_keys(90)
     data = payloads(90)
     for p in (plane, single):
         items = [(k, data[i]) for i, k in enumerate(keys[:60])]
@@ -295,7 +298,7 @@ def test_keys_spread_over_every_master_and_results_equal_standalone(
 
 def test_block_lookups_cover_every_rank_key_in_one_call(clean_cluster: EmbeddedCluster) -> None:
     plane = cluster_plane(clean_cluster.url)
-    prefixes = [f"umbp:vllm:v2:ns:tp{r}:pcp0:dcp0:pp0:g0:".encode() for r in range(4)]
+    prefixes = rank_prefixes("ns", tp_size=4)
     enc = plane.lookup_encoder(prefixes, refresh_ttl=True, hash_hex_len=64)
     assert isinstance(enc, ClusterLookupEncoder) and enc.replies == 4
     hashes = [f"{i:064x}".encode() for i in range(50)]
@@ -320,9 +323,9 @@ def test_request_counts_ride_with_a_cluster_lookup_and_keep_their_values(
     clean_cluster: EmbeddedCluster,
 ) -> None:
     plane = cluster_plane(clean_cluster.url)
-    prefix = b"umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:"
+    (prefix,) = rank_prefixes("ns")
     enc = plane.lookup_encoder([prefix], refresh_ttl=True, hash_hex_len=64)
-    cnt = plane.request_count_encoder(b"umbp:vllm:v2:ns:asked:", hash_hex_len=64)
+    cnt = plane.request_count_encoder(counter_prefix("ns"), hash_hex_len=64)
     hashes = [f"{i:064x}".encode() for i in range(30)]
     rc = clean_cluster.cluster_client()
     rc.set(prefix + hashes[0], b"x")
@@ -511,7 +514,7 @@ def test_master_killed_during_lookup_store_load_loop() -> None:
         plane = cluster_plane(
             cl.url, op_timeout_s=1.0, lookup_timeout_s=0.25, fail_fast_s=0.5, connect_timeout_s=0.5
         )
-        keys = keys_for(48, "kill")
+        keys = byte_keys(48, "kill")
         data = payloads(48, seed=9)
         stats = {"lookup_max": 0.0, "store_max": 0.0, "load_max": 0.0}
         assert _check_loop_step(plane, keys, data, stats) == (48, 48)
@@ -549,7 +552,7 @@ def test_master_killed_during_lookup_store_load_loop() -> None:
 def test_clusterdown_with_full_coverage_is_a_miss_then_recovers() -> None:
     with EmbeddedCluster(replicas_per_master=0, node_timeout_ms=500, full_coverage=True) as cl:
         plane = cluster_plane(cl.url, op_timeout_s=1.0, fail_fast_s=0.3, connect_timeout_s=0.3)
-        keys = keys_for(30, "down")
+        keys = byte_keys(30, "down")
         data = payloads(30, seed=2)
         assert (
             plane.store([(k, data[i]) for i, k in enumerate(keys)], FP) == [StoreStatus.STORED] * 30
@@ -647,7 +650,7 @@ def test_the_documented_minimal_acl_works_on_a_cluster(clean_cluster: EmbeddedCl
         c.close()
     url = clean_cluster.url.replace("redis://", "redis://umbp:acl-pass@")
     plane = cluster_plane(url)
-    keys = keys_for(30, "acl")
+    keys = byte_keys(30, "acl")
     data = payloads(30, seed=6)
     assert plane.store([(k, data[i]) for i, k in enumerate(keys)], FP) == [StoreStatus.STORED] * 30
     assert plane.lookup(keys) == [True] * 30
@@ -674,7 +677,7 @@ def test_seed_nodes_serve_when_the_url_node_is_down(clean_cluster: EmbeddedClust
         time.sleep(0.02)
     m = plane.slot_map
     assert m is not None and m.covered == SLOTS  # read from a replica: masters listed
-    keys = keys_for(10, "seed")
+    keys = byte_keys(10, "seed")
     data = payloads(10, seed=8)
     assert plane.store([(k, data[i]) for i, k in enumerate(keys)], FP) == [StoreStatus.STORED] * 10
     plane.close()
@@ -682,7 +685,7 @@ def test_seed_nodes_serve_when_the_url_node_is_down(clean_cluster: EmbeddedClust
 
 def test_on_loaded_indices_are_the_callers_across_masters(clean_cluster: EmbeddedCluster) -> None:
     plane = cluster_plane(clean_cluster.url)
-    keys = keys_for(24, "ol")
+    keys = byte_keys(24, "ol")
     data = payloads(24, seed=6)
     assert plane.store(list(zip(keys, data, strict=True)), FP) == [StoreStatus.STORED] * 24
     plane.delete([keys[5]])
@@ -707,7 +710,7 @@ def test_values_in_parts_load_by_part_across_masters(clean_cluster: EmbeddedClus
     """Loads by part through the cluster client: every key's parts are reported once,
     in order, with the caller's indices, their bytes in place when reported."""
     plane = cluster_plane(clean_cluster.url)
-    keys = keys_for(18, "parts")
+    keys = byte_keys(18, "parts")
     data = payloads(18, seed=12)
     size = data.shape[1]
     parts = (size // 4, size // 4, size - 2 * (size // 4))

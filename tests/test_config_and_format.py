@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from keys import block_keys
 
 from umbp_redis.engine.options import (
     CONNECTOR_OPTIONS,
@@ -221,7 +222,7 @@ def test_body_length_is_a_size_class_less_16(n: int) -> None:
 def test_header_round_trip_and_validation() -> None:
     payload = memoryview(bytes(range(256)) * 300)
     fp = b"\x01" * 16
-    key = b"umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:aa"
+    key = block_keys(1, "aa", "ns")[0].encode()
     h, body = encode_header(fp, payload, key, with_checksum=True)
     assert len(h) == HEADER_SIZE + payload.nbytes - body
     hdr = decode_header(h)
@@ -265,7 +266,7 @@ def test_the_expected_header_accepts_exactly_what_decoding_accepts(
     of decoding it. That shortcut accepts the writer's header, and no header with any
     one byte changed, or written without a checksum, or of another shape or key."""
     payload = memoryview(bytes(range(256)) * 256)  # 64 KiB
-    fp, key = b"\x05" * 16, b"umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:cc"
+    fp, key = b"\x05" * 16, block_keys(1, "cc", "ns")[0].encode()
     h, bodies = encode_value(fp, payload, key, with_checksum=True, parts=parts)
     exp = expected_header(fp, payload.nbytes, parts)
     first = bodies[0][1]
@@ -296,7 +297,7 @@ def test_a_value_in_parts_round_trips_and_is_bound_to_its_split() -> None:
     """Version 3: each part's body (jemalloc-sized) and its tail in h put the payload
     back together; a reader expecting another split, or a damaged part table, rejects it."""
     payload = memoryview(bytes(range(256)) * 1024)  # 256 KiB
-    fp, key = b"\x03" * 16, b"umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:bb"
+    fp, key = b"\x03" * 16, block_keys(1, "bb", "ns")[0].encode()
     parts = (64 << 10, 64 << 10, 128 << 10)
     h, bodies = encode_value(fp, payload, key, with_checksum=True, parts=parts)
     hdr = decode_header(h)
@@ -340,7 +341,7 @@ def test_a_value_read_back_whole_is_checked_on_its_own_terms(
         check_stored_value,
     )
 
-    fp, key = b"\x07" * 16, b"umbp:v3:ns:tp0:pp0:g0:aa"
+    fp, key = b"\x07" * 16, block_keys(1, "rb", "ns")[0].encode()
     payload = memoryview(bytes(range(256)) * 273 + bytes(112))  # 70,000 bytes
     h, bodies = encode_value(fp, payload, key, with_checksum=True, parts=parts)
     fields = [payload[o : o + n].tobytes() for o, n in bodies]

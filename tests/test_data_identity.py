@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,15 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from umbp_redis.data import (
+    KEY_PREFIX,
     BlockIdentityCodec,
     RankTopology,
     UMBPNamespace,
     namespace_inputs,
+    namespace_pattern,
     parse_key,
     tp_replicated_group_ids,
+    value_pattern,
 )
 
 HASH = bytes(range(32))
@@ -185,14 +189,13 @@ def test_another_part_split_rule_is_another_namespace(
 def test_key_schema_is_exact() -> None:
     codec = BlockIdentityCodec("ns1", RankTopology(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1))
     key = codec.key(HASH, 0)
+    # Pins the schema: the one place tests spell a key out by hand (elsewhere the codec
+    # builds them), so a change to it shows here.
     assert key == f"umbp:vllm:v2:ns1:tp1:pcp0:dcp0:pp0:g0:{HASH.hex()}"
     decoded = parse_key(key)
     assert decoded.namespace == "ns1" and decoded.tp_rank == 1 and decoded.block_hash == HASH
     assert decoded.group_id == 0
-    assert codec.rank_keys(HASH, 0) == (
-        f"umbp:vllm:v2:ns1:tp0:pcp0:dcp0:pp0:g0:{HASH.hex()}",
-        key,
-    )
+    assert codec.rank_keys(HASH, 0) == (codec.key(HASH, 0, rank=RankTopology(tp_size=2)), key)
     assert codec.keys_per_object(codec.topology, 0) == 2
     assert codec.stores(0)
 
@@ -205,7 +208,40 @@ def test_keys_never_hold_block_ids_or_request_ids() -> None:
     with pytest.raises(TypeError):
         codec.key("abc", 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        parse_key("umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:xyz")
+        parse_key(codec.key_prefixes(0)[0] + "xyz")  # not hex
+    with pytest.raises(ValueError):
+        parse_key(codec.key(HASH, 0) + "a")  # an odd number of hex digits
+    with pytest.raises(ValueError):
+        parse_key(codec.marker_key(HASH, 0))  # a marker is not a value key
+
+
+def test_markers_counters_and_scan_patterns() -> None:
+    """The other keys of a namespace, and the SCAN patterns that find them. As in
+    ``test_key_schema_is_exact``, the expected strings pin the schema on purpose."""
+    codec = BlockIdentityCodec("ns1", RankTopology(tp_rank=1, tp_size=2))
+    assert KEY_PREFIX == "umbp:vllm:v2"
+    assert codec.marker_key(HASH, 2) == f"umbp:vllm:v2:ns1:stored:g2:{HASH.hex()}".encode()
+    assert codec.marker_prefix(2) == "umbp:vllm:v2:ns1:stored:g2:"
+    assert codec.request_count_prefix == "umbp:vllm:v2:ns1:asked:"
+    assert namespace_pattern("ns1") == "umbp:vllm:v2:ns1:*"
+    assert namespace_pattern() == "umbp:vllm:v2:*:*"
+    assert value_pattern("ns1") == "umbp:vllm:v2:ns1:tp*"
+    assert value_pattern("ns1", tp_rank=1) == "umbp:vllm:v2:ns1:tp1:*"
+    assert value_pattern() == "umbp:vllm:v2:*:tp*"
+    # What the patterns match (fnmatch reads ``*`` as Redis's MATCH does, for these).
+    value, marker = codec.key(HASH, 2), codec.marker_key(HASH, 2).decode()
+    counter = codec.request_count_prefix + HASH.hex()
+    other = BlockIdentityCodec("ns2").key(HASH, 2)
+    replicated = BlockIdentityCodec("ns1", replicated_groups=frozenset({2})).key(HASH, 2)
+    tp_named = BlockIdentityCodec("tp1").marker_key(HASH, 2).decode()  # a namespace "tp1"
+    for pattern, matched in [
+        (namespace_pattern("ns1"), {value, marker, counter, replicated}),
+        (value_pattern("ns1"), {value, replicated}),
+        (value_pattern("ns1", tp_rank=1), {value}),
+        (value_pattern(), {value, other, replicated}),
+    ]:
+        keys = (value, marker, counter, other, replicated, tp_named)
+        assert {k for k in keys if fnmatchcase(k, pattern)} == matched, pattern
 
 
 def test_replicated_group_keys() -> None:

@@ -58,6 +58,7 @@ def test_an_announcement_reads_back_as_written_and_malformed_entries_are_refused
         broken[broken.index(name) + 1] = value
         assert parse_announcement(broken) is None, (name, value)
     assert parse_announcement([b"o", b"s", b"e", b"x"]) is None  # fields missing
+    # Pins the stream's key: the one place the schema is spelled out by hand here.
     assert announcement_key("ns1") == "umbp:vllm:v2:ns1:announced"
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from helpers import ktc, make_vllm_config
+from keys import rank_prefixes
 from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -23,6 +24,7 @@ from umbp_redis.data import (
     UMBPConnectorWorkerMetadata,
     UMBPHandshakeMetadata,
 )
+from umbp_redis.data.keys import is_marker_key
 from umbp_redis.engine.options import EngineOptions, parse_connector_options
 from umbp_redis.engine.scheduler import UMBPScheduler
 from umbp_redis.store.commands import ClusterLookupEncoder, LookupEncoder, RequestCountEncoder
@@ -71,11 +73,13 @@ class ScriptedDataPlane:
         """Whether ``key`` (a value key or a stored marker) is present."""
         if key in self.present or key in self.markers:
             return True
-        if ":stored:g" not in key or self.codec is None:
+        if self.codec is None or not is_marker_key(key):
             return False
-        head, hx = key.rsplit(":", 1)
-        g = int(head.rsplit(":g", 1)[1])
-        return all(k in self.present for k in self.codec.rank_keys(bytes.fromhex(hx), g))
+        codec, hx = self.codec, key.rsplit(":", 1)[1]
+        g = next((g for g in range(64) if key == codec.marker_prefix(g) + hx), None)
+        return g is not None and all(
+            k in self.present for k in codec.rank_keys(bytes.fromhex(hx), g)
+        )
 
     def run_keyed(self, commands: list[tuple[bytes, bytes]], *, timeout: float) -> list[int] | None:
         if self.fail:
@@ -278,7 +282,9 @@ def test_derived_namespace_waits_for_the_workers(model_config: ModelConfig) -> N
     s.adopt_handshake({(0, 0): UMBPHandshakeMetadata("abc123", RankTopology())})
     assert s.codec is not None and s.codec.namespace == "abc123"
     s.get_num_new_matched_tokens(request(600), 0)
-    assert plane.calls and plane.calls[0][0].startswith("umbp:vllm:v2:abc123:")
+    assert plane.calls and plane.calls[0][0].startswith(
+        BlockIdentityCodec("abc123").marker_prefix(0)
+    )
 
 
 def _step(new=(), cached=(), sched=None, preempted=None):  # type: ignore[no-untyped-def]
@@ -543,7 +549,7 @@ def test_keys_are_built_once_per_block(
 def test_encoded_lookups_equal_the_reference_encoding() -> None:
     from umbp_redis.store.commands import LookupEncoder, lookup_commands
 
-    prefixes = [b"umbp:vllm:v2:ns:tp0:pcp0:dcp0:pp0:g0:", b"umbp:vllm:v2:ns:tp1:pcp0:dcp0:pp0:g0:"]
+    prefixes = rank_prefixes("ns", tp_size=2)
     hx = bytes(range(32)).hex().encode()
     for refresh in (True, False):
         enc = LookupEncoder(prefixes, refresh_ttl=refresh, ttl=b"3600", hash_hex_len=len(hx))

@@ -9,12 +9,14 @@ with the same tokens. Tenants that share a namespace are kept apart by ``cache_s
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
 import redis
 from helpers import connector, run_engine, tokens
 
+from umbp_redis.data import namespace_pattern
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.ops.tiny_model import sample_prompts
 
@@ -81,7 +83,8 @@ def test_a_tenant_acl_admits_its_own_namespace_and_refuses_anothers(
     want = tokens(base["g"])
     assert tokens(own["cold"]) == tokens(own["warm"]) == want
     assert all(o["cached"] >= 256 for o in own["warm"]["outputs"])  # hits from Redis
-    assert keys_a and all(k.startswith(b"umbp:vllm:v2:tenant-a:") for k in keys_a)
+    own_keys = namespace_pattern("tenant-a")
+    assert keys_a and all(fnmatchcase(k.decode(), own_keys) for k in keys_a)
     assert any(k.endswith(b":model") for k in keys_a)  # the namespace record too
     # The other tenant's engine: same tokens, nothing from Redis, nothing written.
     assert tokens(other["g"]) == want

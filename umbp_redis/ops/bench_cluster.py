@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from umbp_redis.data import BlockIdentityCodec, RankTopology
 from umbp_redis.ops.embedded_cluster import cluster_node_args, form_cluster
 from umbp_redis.ops.slow_link import PORT, NetworkSetupError, SlowLinkNode, add_bridge
 from umbp_redis.store.cluster import ClusterDataPlane
@@ -39,7 +40,8 @@ def _objects(count: int, size: int, seed: int) -> np.ndarray:
 
 def transfer_gbps(plane: DataPlane, staging: np.ndarray, tag: str) -> tuple[float, float]:
     """(store GB/s, load GB/s) of every row of ``staging`` as one object each."""
-    keys = [f"umbp:vllm:v2:bench{tag}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(len(staging))]
+    codec = BlockIdentityCodec(f"bench{tag}")
+    keys = [codec.key(i.to_bytes(32, "big"), 0) for i in range(len(staging))]
     dest = np.zeros_like(staging)
     t0 = time.perf_counter()
     st = plane.store([(k, staging[i]) for i, k in enumerate(keys)], FINGERPRINT)
@@ -58,7 +60,8 @@ def transfer_gbps(plane: DataPlane, staging: np.ndarray, tag: str) -> tuple[floa
 def lookup_p50_ms(plane: DataPlane, nkeys: int, ranks: int, rounds: int) -> float:
     """p50 ms of a lookup of ``nkeys`` keys (``ranks`` keys a block), as the scheduler
     encodes it; every key present."""
-    prefixes = [f"umbp:vllm:v2:benchlk:tp{r}:pcp0:dcp0:pp0:g0:".encode() for r in range(ranks)]
+    codec = BlockIdentityCodec("benchlk", RankTopology(tp_size=ranks))
+    prefixes = [p.encode() for p in codec.key_prefixes(0)]
     enc = plane.lookup_encoder(prefixes, refresh_ttl=True, hash_hex_len=64)
     hashes = [f"{i:064x}".encode() for i in range(nkeys // ranks)]
     blocks = [enc.encode(h) for h in hashes]

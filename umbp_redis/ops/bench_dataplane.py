@@ -5,7 +5,7 @@ Every figure is measured in one run against one server, beside its baselines:
 client), this client without its checksum (the checksum's cost) and, for lookups, a
 redis-py EXISTS pipeline and sequential EXISTS calls.
 
-It writes only keys of its own run (``umbp:vllm:v2:bench-<run>:...`` and
+It writes only keys of its own run (the key schema's namespace ``bench-<run>``, and
 ``bench:<run>:...``) and deletes only those: it never flushes a database.
 """
 
@@ -23,12 +23,20 @@ from typing import IO, Any
 
 import numpy as np
 
+from umbp_redis.data import BlockIdentityCodec, namespace_pattern
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
 from umbp_redis.store.settings import RedisSettings
 
 FINGERPRINT = b"\x42" * 16
 RUN = f"{os.getpid():x}{time.time_ns() & 0xFFFFFF:06x}"
 NS = f"bench-{RUN}"
+
+
+def _block_keys(count: int, tag: int) -> list[str]:
+    """Keys of ``count`` blocks of this run's namespace (rank 0, group 0), with made-up
+    32-byte hashes (as vLLM's) that ``tag`` keeps apart from other calls'."""
+    codec = BlockIdentityCodec(NS)
+    return [codec.key(tag.to_bytes(8, "big") + i.to_bytes(24, "big"), 0) for i in range(count)]
 
 
 def _own_keys(r: Any, pattern: str) -> list[bytes]:
@@ -201,7 +209,7 @@ def umbp_gbps(plane: RedisDataPlane, size: int, count: int, repeats: int) -> dic
     """This project's store (staging -> Redis) and load (Redis -> staging) GB/s."""
     staging = np.random.default_rng(2).integers(0, 256, (count, size), dtype=np.uint8)
     dest = np.zeros_like(staging)
-    keys = [f"umbp:vllm:v2:{NS}:tp0:pcp0:dcp0:pp0:g0:{size:x}{i:08x}" for i in range(count)]
+    keys = _block_keys(count, size)
     store_items = [(k, staging[i]) for i, k in enumerate(keys)]
     load_items = [(k, memoryview(dest[i])) for i, k in enumerate(keys)]
 
@@ -230,7 +238,7 @@ def lookup_latency_ms(
 ) -> dict[str, float]:
     """p50 ms of one lookup of ``nkeys`` keys (half present), three ways."""
     r = _redispy_client(settings)
-    keys = [f"umbp:vllm:v2:{NS}:tp0:pcp0:dcp0:pp0:g0:{i:064x}" for i in range(nkeys)]
+    keys = _block_keys(nkeys, 0)
     p = r.pipeline(transaction=False)
     for k in keys[::2]:
         p.set(k, b"x")
@@ -289,7 +297,7 @@ def memory_overhead(
     r = _redispy_client(settings)
     staging = np.random.default_rng(3).integers(0, 256, (count, size), dtype=np.uint8)
 
-    keys = [f"umbp:vllm:v2:{NS}:tp0:pcp0:dcp0:pp0:g0:m{i:063x}" for i in range(count)]
+    keys = _block_keys(count, 1 << 63)  # apart from the transfers' keys (tagged by size)
 
     def grow(write: Callable[[], None]) -> float:
         time.sleep(0.2)
@@ -380,7 +388,7 @@ def run_dataplane_bench(
     plane.close()
     plain.close()
     r = _redispy_client(settings)
-    leftover = _own_keys(r, f"umbp:vllm:v2:{NS}:*") + _own_keys(r, f"bench:{RUN}:*")
+    leftover = _own_keys(r, namespace_pattern(NS)) + _own_keys(r, f"bench:{RUN}:*")
     _delete(r, leftover)
     r.close()
     return {
