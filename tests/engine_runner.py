@@ -2,20 +2,30 @@
 
 Usage: ``python engine_runner.py SPEC.json``. The spec names the model, the connector
 config (or none), the prompts and the phases; the results go to ``spec["out"]``.
-Phases: ``generate`` (greedy), ``reset`` (drop vLLM's local prefix cache), ``corrupt``
-(flip a byte in every stored body), ``swap`` (move each value to another key),
-``strip_checksum`` (rewrite headers as a writer without checksums), ``validate``
-(inspect every value), ``delete`` (remove every stored key), ``limit_memory`` (make
-the server a small LRU cache), ``evicted``, ``shutdown_redis`` and ``start_redis`` (a
-private server on a given port), ``kill_pid`` (SIGKILL a Redis node), ``sleep`` and
-``node_keys`` (stored keys per node), ``load_totals`` (the worker's load counters),
-``abort_after_one_step`` (a request aborted after one engine step),
-``scheduler_counters`` (the in-process scheduler's counters and load-or-compute
-estimates).
+Phases: ``generate`` (greedy; ``logprobs`` records each token's), ``chat``
+(conversations through the model's chat template), ``reset`` (drop vLLM's local prefix
+cache), ``corrupt`` (flip a byte in every stored body), ``swap`` (move each value to
+another key), ``strip_checksum`` (rewrite headers as a writer without checksums),
+``validate`` (inspect every value), ``delete`` (remove every stored key),
+``limit_memory`` (make the server a small LRU cache), ``evicted``, ``shutdown_redis``
+and ``start_redis`` (a private server on a given port), ``kill_pid`` (SIGKILL a Redis
+node), ``cluster_failover`` (wait for a replica's promotion), ``node_keys`` (stored
+keys per node), ``load_totals`` (the worker's load counters), ``abort_after_one_step``
+(a request aborted after one engine step), ``scheduler_counters`` (the scheduler's
+counters and load-or-compute estimates), ``kv_events`` (every KV event published).
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
+runner can read the connector's scheduler half: after every ``generate`` or ``chat``
+phase it waits until every store the connector issued has been reported by every worker
+and its stored markers are written (``_settle_stores``), instead of sleeping. A spec
+with ``"engine_core_process": true`` runs it in its own process, as vLLM does by
+default; the runner then cannot see the connector, so such a spec's checks must not
+depend on stores having landed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -23,6 +33,14 @@ import time
 from typing import Any, cast
 
 from typed_redis import raw
+from waiting import wait_until
+
+from umbp_redis.data import value_pattern
+
+# A prompt shorter than one block: steps that carry the workers' last store reports,
+# storing and loading nothing themselves.
+FLUSH_PROMPT = "flush"
+SETTLE_TIMEOUT_S = 60.0
 
 
 def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -30,16 +48,11 @@ def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
 
     Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core in this process) and one worker.
     """
-    import time
-
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler.connector._scheduler
+    sched = _connector_scheduler(llm)
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker: Any = cast(Any, get_kv_transfer_group())._worker
-    deadline = time.time() + 10
-    while not worker.idle() and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(worker.idle, 10.0, what="the worker's transfers to finish")
     return {
         "pinned_blocks": sched.pinned_blocks,
         "staging_in_use": worker.staging.num_slots - worker.staging.free_slots,
@@ -47,6 +60,141 @@ def _leak_check(llm) -> dict[str, int]:  # type: ignore[no-untyped-def]
         # Lazy store mode: blocks of finished requests pinned for the next step's store.
         "lazy_pending": len(sched.lazy.early) if sched.lazy is not None else 0,
     }
+
+
+def _connector_scheduler(llm) -> Any:  # type: ignore[no-untyped-def]
+    """The connector's scheduler half in this process's engine core (None without a
+    connector); needs the engine core in this process."""
+    connector = getattr(llm.llm_engine.engine_core.engine_core.scheduler, "connector", None)
+    return getattr(connector, "_scheduler", None)
+
+
+def _unreported_stores(sched: Any) -> int:
+    """Store events some worker has not reported yet, and (lazy store mode) finished
+    requests' blocks waiting for the next step's store."""
+    lazy = len(sched.lazy.early) if sched.lazy is not None else 0
+    return int(sched.markers.awaiting_reports) + lazy
+
+
+def _settle_stores(llm, sched: Any, flush_params: Any) -> None:  # type: ignore[no-untyped-def]
+    """Return once every store the connector issued so far was reported by every worker
+    and the stored markers of its blocks are written. Workers report in the engine's
+    steps, so while reports are due the engine runs one-token requests of a prompt
+    shorter than a block; fails after ``SETTLE_TIMEOUT_S``."""
+    if sched is None:
+        return
+
+    def settled() -> bool:
+        if _unreported_stores(sched) == 0:
+            return True
+        llm.generate([FLUSH_PROMPT], flush_params, use_tqdm=False)
+        return _unreported_stores(sched) == 0
+
+    wait_until(
+        settled,
+        SETTLE_TIMEOUT_S,
+        what=lambda: f"store reports ({_unreported_stores(sched)} events unreported)",
+        poll_s=0.02,
+    )
+    assert sched.markers.flush(SETTLE_TIMEOUT_S), "the stored markers were not written"
+
+
+def _redis_answers_again(sched: Any) -> bool:
+    """Whether the connector's data plane (of ``sched``, the scheduler half) has left
+    its fail-fast window: its stores, loads and lookups go to Redis again."""
+    plane = getattr(sched, "plane", None)
+    if plane is None or not hasattr(plane, "pool"):
+        return True
+    return bool(plane.pool.healthy and plane.lookup_conn.health.healthy)
+
+
+def _published_events(llm, replay_port: int) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    """Every KV event the engine published so far, read back through the publisher's
+    replay socket once its queue is empty, as dicts of the fields the tests read."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    publisher = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
+    wait_until(
+        lambda: publisher._event_queue.unfinished_tasks == 0,
+        30.0,
+        what="the event publisher's queue to empty",
+    )
+    sock: Any = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{replay_port}")
+    sock.send_multipart((b"", (0).to_bytes(8, "big")))
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    fields = (
+        "token_ids",
+        "block_size",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "lora_name",
+        "ownership",
+    )
+    events: list[dict[str, Any]] = []
+    while True:
+        assert sock.poll(30_000), "the publisher's replay did not answer"
+        _empty, _topic, seq, payload = sock.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) < 0:  # the end of the replay
+            break
+        for ev in decoder.decode(payload).events:
+            hashes = getattr(ev, "block_hashes", [])
+            parent = getattr(ev, "parent_block_hash", None)
+            events.append(
+                {
+                    "type": type(ev).__name__,
+                    "medium": getattr(ev, "medium", None),
+                    "hashes": [h.hex() if isinstance(h, bytes) else h for h in hashes],
+                    "parent": parent.hex() if isinstance(parent, bytes) else parent,
+                    **{f: getattr(ev, f, None) for f in fields},
+                }
+            )
+    sock.close()
+    return events
+
+
+def _failed_over(ports: list[int], victim: int, masters: int) -> bool:
+    """Whether every live node of a cluster (``ports``) reports ``cluster_state:ok``
+    and ``masters`` live masters serve the slots without the node at ``victim``."""
+    import redis
+
+    live_masters = 0
+    for port in ports:
+        if port == victim:
+            continue
+        c = redis.Redis(port=port, socket_timeout=2)
+        try:
+            if "cluster_state:ok" not in c.execute_command("CLUSTER", "INFO").decode():
+                return False
+            live_masters += c.info("replication")["role"] == "master"
+        except redis.ConnectionError:
+            continue
+        finally:
+            c.close()
+    return live_masters == masters
+
+
+def _outputs(outs: list[Any]) -> list[dict[str, Any]]:
+    """Tokens, text, cached prompt tokens, prompt length and (when asked) the logprob
+    of every generated token, per request output."""
+    rows = []
+    for o in outs:
+        c = o.outputs[0]
+        row: dict[str, Any] = {
+            "tokens": list(c.token_ids),
+            "text": c.text,
+            "cached": o.num_cached_tokens,
+            "prompt_tokens": len(o.prompt_token_ids or []),
+        }
+        if c.logprobs is not None:
+            row["logprobs"] = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+        rows.append(row)
+    return rows
 
 
 def _count_loads() -> dict[str, float]:
@@ -75,6 +223,8 @@ def main(spec_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gb", 1)))
     if spec.get("tp", 1) > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    in_process = not spec.get("engine_core_process", False)  # see the module's doc
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     import redis
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -83,20 +233,23 @@ def main(spec_path: str) -> None:
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     extra = spec.get("engine_args", {})
-    sub: Any = None
+    replay_port = None
     if spec.get("kv_events_port"):
-        import zmq
         from vllm.config import KVEventsConfig
 
+        from umbp_redis.ops.embedded_redis import free_port
+
+        # Events are read back through the publisher's replay socket (every batch
+        # since the start, as a router that joins late asks for them): no subscriber
+        # has to be connected before the engine publishes.
+        replay_port = free_port()
         kw["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True,
             publisher="zmq",
             endpoint=f"tcp://*:{spec['kv_events_port']}",
+            replay_endpoint=f"tcp://*:{replay_port}",
             topic="kv",
         )
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.connect(f"tcp://127.0.0.1:{spec['kv_events_port']}")
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     llm = LLM(
         model=spec["model"],
         max_model_len=spec.get("max_model_len", 2048),
@@ -108,37 +261,37 @@ def main(spec_path: str) -> None:
         **kw,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
+    flush_params = SamplingParams(max_tokens=1, temperature=0.0)
     load_totals = _count_loads() if spec.get("connector") and spec.get("tp", 1) == 1 else {}
+    sched: Any = _connector_scheduler(llm) if in_process else None
     results: dict[str, object] = {}
     servers = []
     for phase in spec["phases"]:
         op = phase["op"]
-        if op == "generate":
+        if op in ("generate", "chat"):
             t0 = time.perf_counter()
-            prompts = phase.get("prompts", spec["prompts"])
-            if phase.get("cache_salt"):  # every prompt of the phase salted (a tenant)
-                prompts = [{"prompt": p, "cache_salt": phase["cache_salt"]} for p in prompts]
-            phase_params = params
-            if "max_tokens" in phase:  # this phase's own output length
-                phase_params = SamplingParams(max_tokens=phase["max_tokens"], temperature=0.0)
-            outs = llm.generate(prompts, phase_params, use_tqdm=False)
+            phase_params = SamplingParams(
+                max_tokens=phase.get("max_tokens", spec.get("max_tokens", 8)),
+                temperature=0.0,
+                logprobs=phase.get("logprobs"),
+            )
+            if op == "chat":
+                outs = llm.chat(phase["conversations"], phase_params, use_tqdm=False)
+            else:
+                prompts = phase.get("prompts", spec["prompts"])
+                if phase.get("cache_salt"):  # every prompt of the phase salted (a tenant)
+                    prompts = [{"prompt": p, "cache_salt": phase["cache_salt"]} for p in prompts]
+                outs = llm.generate(prompts, phase_params, use_tqdm=False)
             results[phase["name"]] = {
                 "seconds": time.perf_counter() - t0,
-                "outputs": [
-                    {
-                        "tokens": list(o.outputs[0].token_ids),
-                        "cached": o.num_cached_tokens,
-                        "prompt_tokens": len(o.prompt_token_ids or []),
-                    }
-                    for o in outs
-                ],
+                "outputs": _outputs(outs),
             }
-            time.sleep(phase.get("settle_s", 1.0))  # async stores land
+            _settle_stores(llm, sched, flush_params)
         elif op == "reset":
             llm.reset_prefix_cache()
         elif op in ("corrupt", "delete"):
             r = redis.Redis.from_url(phase["url"])
-            keys = list(r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000))
+            keys = list(r.scan_iter(match=value_pattern(), count=1000))
             for k in keys:
                 if op == "delete":
                     r.delete(k)
@@ -162,7 +315,9 @@ def main(spec_path: str) -> None:
             from umbp_redis.ops.embedded_redis import EmbeddedRedis
 
             servers.append(EmbeddedRedis(port=phase["port"]).start())
-            time.sleep(phase.get("wait_s", 1.5))  # past the fail-fast window
+            wait_until(
+                lambda: _redis_answers_again(sched), 30.0, what="the fail-fast window to end"
+            )
         elif op == "abort_after_one_step":  # a request aborted after its first step
             # (one engine step per call needs VLLM_ENABLE_V1_MULTIPROCESSING=0)
             engine = llm.llm_engine
@@ -177,7 +332,7 @@ def main(spec_path: str) -> None:
             results[phase["name"]] = _leak_check(llm)
         elif op == "swap":  # each value moves to the next key: well formed, wrong block
             r = redis.Redis.from_url(phase["url"])
-            keys = sorted(r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000))
+            keys = sorted(r.scan_iter(match=value_pattern(), count=1000))
             dumps = [raw(r.dump(k)) for k in keys]
             for k, d in zip(keys, dumps[1:] + dumps[:1], strict=True):
                 r.restore(k, 0, d, replace=True)
@@ -188,7 +343,7 @@ def main(spec_path: str) -> None:
             from umbp_redis.store.value_format import HEADER
 
             r = redis.Redis.from_url(phase["url"])
-            keys = list(r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000))
+            keys = list(r.scan_iter(match=value_pattern(), count=1000))
             for k in keys:
                 h = bytearray(raw(r.hget(k, "h") or b""))
                 fields = list(HEADER.unpack_from(h))
@@ -200,7 +355,7 @@ def main(spec_path: str) -> None:
             from umbp_redis.ops.admin import inspect_value
 
             r = redis.Redis.from_url(phase["url"])
-            keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000)]
+            keys = [k.decode() for k in r.scan_iter(match=value_pattern(), count=1000)]
             infos = [inspect_value(r, k) for k in keys]
             results[phase["name"]] = {
                 "keys": len(keys),
@@ -217,47 +372,13 @@ def main(spec_path: str) -> None:
         elif op == "evicted":
             r = redis.Redis.from_url(phase["url"])
             results[phase["name"]] = int(r.info("stats")["evicted_keys"])
-        elif op == "kv_events":  # every KV event batch published so far (ZMQ subscriber)
-            import msgspec
-            import zmq
-            from vllm.distributed.kv_events import KVEventBatch
-
-            assert sub is not None, "spec needs kv_events_port"
-            decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-            events = []
-            deadline = time.time() + phase.get("wait_s", 3.0)
-            while time.time() < deadline:
-                if not sub.poll(100):
-                    continue
-                _topic, _seq, payload = sub.recv_multipart(flags=zmq.NOBLOCK)
-                for ev in decoder.decode(payload).events:
-                    hashes = getattr(ev, "block_hashes", [])
-                    parent = getattr(ev, "parent_block_hash", None)
-                    events.append(
-                        {
-                            "type": type(ev).__name__,
-                            "medium": getattr(ev, "medium", None),
-                            "hashes": [h.hex() if isinstance(h, bytes) else h for h in hashes],
-                            "parent": parent.hex() if isinstance(parent, bytes) else parent,
-                            **{
-                                f: getattr(ev, f, None)
-                                for f in (
-                                    "token_ids",
-                                    "block_size",
-                                    "extra_keys",
-                                    "group_idx",
-                                    "kv_cache_spec_kind",
-                                    "kv_cache_spec_sliding_window",
-                                    "locality",
-                                    "lora_name",
-                                )
-                            },
-                        }
-                    )
-            results[phase["name"]] = events
+        elif op == "kv_events":  # every KV event batch published so far
+            assert replay_port is not None, "spec needs kv_events_port"
+            llm.generate([FLUSH_PROMPT], flush_params, use_tqdm=False)  # the last events
+            results[phase["name"]] = _published_events(llm, replay_port)
         elif op == "wrongtype":  # one stored key now holds a string: loads get WRONGTYPE
             r = redis.Redis.from_url(phase["url"])
-            key = sorted(r.scan_iter(match="umbp:vllm:v2:*:tp*", count=1000))[0]
+            key = sorted(r.scan_iter(match=value_pattern(), count=1000))[0]
             r.set(key, b"not a KV object")
             results[phase["name"]] = key.decode()
         elif op == "load_totals":  # the worker's load counters since the engine started
@@ -269,8 +390,6 @@ def main(spec_path: str) -> None:
             results[phase["name"]] = worker.plane.counters()
         elif op == "scheduler_counters":  # the in-process scheduler's counters and
             # its load-or-compute estimates for a hit of `blocks` blocks
-            core: Any = llm.llm_engine.engine_core
-            sched = core.engine_core.scheduler.connector._scheduler
             blocks = phase.get("blocks", 3)
             results[phase["name"]] = {
                 **sched._counter_totals(),
@@ -281,16 +400,21 @@ def main(spec_path: str) -> None:
             import signal
 
             os.kill(phase["pid"], signal.SIGKILL)
-        elif op == "sleep":
-            time.sleep(phase["seconds"])
+        elif op == "cluster_failover":  # a killed master's replica took over
+            wait_until(
+                functools.partial(_failed_over, phase["ports"], phase["victim"], phase["masters"]),
+                60.0,
+                what="the replica's promotion (cluster_state:ok on every live node)",
+                poll_s=0.1,
+            )
         elif op == "node_keys":  # stored keys per node (ports on 127.0.0.1)
             results[phase["name"]] = [
-                len(list(redis.Redis(port=p).scan_iter(match="umbp:vllm:v2:*:tp*", count=1000)))
+                len(list(redis.Redis(port=p).scan_iter(match=value_pattern(), count=1000)))
                 for p in phase["ports"]
             ]
         elif op == "count_keys":
             r = redis.Redis.from_url(phase["url"])
-            pattern = phase.get("pattern", "umbp:vllm:v2:*:tp*")
+            pattern = phase.get("pattern", value_pattern())
             results[phase["name"]] = len(list(r.scan_iter(match=pattern, count=1000)))
     json.dump(results, open(spec["out"], "w"))
     del llm

@@ -97,23 +97,15 @@ PROMPTS = sample_prompts(4, 420, seed=1, shared_prefix_words=300)
 
 
 def connector(url: str, *, module_path: bool = True, **extra: Any) -> dict[str, Any]:
+    """The connector's ``--kv-transfer-config`` for an engine test: the shipped defaults
+    with ``redis_url``; ``extra`` options only where a test is about them (each caller
+    says why)."""
     return {
         "kv_connector": "UMBPRedisConnector",
         **({"kv_connector_module_path": "umbp_redis.connector"} if module_path else {}),
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        # Async loads unless a test says otherwise: these tests were written for them
-        # (the default, auto, loads the tiny model's small hits sync). Every hit loads:
-        # the tiny model computes a block about as fast as it loads, so the choice to
-        # recompute (decline_slow_loads, tested in test_load_or_compute) would be a coin
-        # toss where these tests check what loading does.
-        "kv_connector_extra_config": {
-            "redis_url": url,
-            "fail_fast_s": 0.5,
-            "load_async": True,
-            "decline_slow_loads": False,
-            **extra,
-        },
+        "kv_connector_extra_config": {"redis_url": url, **extra},
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import redis
 from helpers import BLOCK, PROMPTS, cli, connector, full_blocks, run_engine, tokens
 from typed_redis import raw
 
-from umbp_redis.data import parse_key
+from umbp_redis.data import BlockIdentityCodec, namespace_pattern, parse_key, value_pattern
 from umbp_redis.ops.embedded_cluster import EmbeddedCluster
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.ops.tiny_model import sample_prompts
@@ -35,23 +36,46 @@ def baseline(work: Path, tiny_model: Path) -> dict:  # type: ignore[type-arg]
     return run_engine(work, "baseline", tiny_model, None, [{"op": "generate", "name": "g"}])["g"]
 
 
+@dataclass(frozen=True)
+class ColdRun:
+    """A cold engine's results and every key it left in Redis (``DUMP``, with TTLs)."""
+
+    result: dict[str, Any]
+    snapshot: list[tuple[bytes, int, bytes]]
+
+
 @pytest.fixture(scope="module")
-def server() -> Any:
+def cold(work: Path, tiny_model: Path) -> ColdRun:
+    """One cold engine on the defaults, on a server of its own, and what it stored."""
+    with EmbeddedRedis() as srv:
+        res = run_engine(
+            work, "cold", tiny_model, connector(srv.url), [{"op": "generate", "name": "g"}]
+        )
+        r = redis.Redis.from_url(srv.url)
+        snapshot = [(k, int(r.pttl(k)), raw(r.dump(k))) for k in r.scan_iter(count=1000)]
+        r.close()
+    return ColdRun(res["g"], snapshot)
+
+
+@pytest.fixture
+def server(cold: ColdRun) -> Any:
+    """A server of this test alone holding what the cold engine stored."""
     with EmbeddedRedis() as s:
+        r = redis.Redis.from_url(s.url)
+        for key, pttl, dump in cold.snapshot:
+            r.restore(key, max(pttl, 0), dump)
+        r.close()
         yield s
 
 
 def test_cold_engine_stores_every_complete_prompt_block(
-    work: Path, tiny_model: Path, baseline: dict, server: EmbeddedRedis
+    cold: ColdRun, baseline: dict, server: EmbeddedRedis
 ) -> None:  # type: ignore[type-arg]
-    res = run_engine(
-        work, "cold", tiny_model, connector(server.url), [{"op": "generate", "name": "g"}]
-    )
-    assert tokens(res["g"]) == tokens(baseline)
+    assert tokens(cold.result) == tokens(baseline)
     r = redis.Redis.from_url(server.url)
-    keys = [k.decode() for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")]
+    keys = [k.decode() for k in r.scan_iter(match=value_pattern())]
     # Prompts share their first 2 blocks, then each has one block of its own.
-    n_blocks = {full_blocks(o["prompt_tokens"]) for o in res["g"]["outputs"]}
+    n_blocks = {full_blocks(o["prompt_tokens"]) for o in cold.result["outputs"]}
     assert n_blocks == {3}
     assert len(keys) == 2 + len(PROMPTS)
     namespaces = set()
@@ -64,8 +88,9 @@ def test_cold_engine_stores_every_complete_prompt_block(
     assert len(namespaces) == 1
     # Every stored block got its stored marker (the one key lookups read), with the TTL.
     (ns,) = namespaces
-    markers = {k.decode() for k in r.scan_iter(match=f"umbp:vllm:v2:{ns}:stored:*")}
-    assert markers == {f"umbp:vllm:v2:{ns}:stored:g0:{k.rsplit(':', 1)[1]}" for k in keys}
+    codec = BlockIdentityCodec(ns)
+    markers = {k for k in r.scan_iter(match=codec.marker_prefix(0) + "*")}
+    assert markers == {codec.marker_key(parse_key(k).block_hash, 0) for k in keys}
     assert all(0 < r.ttl(m) <= 86400 for m in markers)
     # The operator CLI reads what a real engine stored.
     ls = json.loads(cli("ls", "--redis-url", server.url, "--json").stdout)
@@ -79,7 +104,7 @@ def test_engines_with_other_model_settings_never_share_objects(
     work: Path, tiny_model: Path, server: EmbeddedRedis
 ) -> None:
     r = redis.Redis.from_url(server.url)
-    before = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
+    before = {parse_key(k).namespace for k in r.scan_iter(match=value_pattern())}
     res = run_engine(
         work,
         "override",
@@ -91,7 +116,7 @@ def test_engines_with_other_model_settings_never_share_objects(
     # Nothing loaded from the first engines' objects: only local prefix-cache hits.
     first = res["g"]["outputs"][0]
     assert first["cached"] == 0
-    after = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
+    after = {parse_key(k).namespace for k in r.scan_iter(match=value_pattern())}
     assert len(before) == 1 and before < after and len(after) == 2
     # The operator CLI over what the two engines stored.
     new_ns, old_ns = (after - before).pop(), next(iter(before))
@@ -103,12 +128,12 @@ def test_engines_with_other_model_settings_never_share_objects(
     purge = cli("purge", "--namespace", new_ns, "--yes", "--redis-url", server.url, "--json")
     # Its values and their stored markers, one each a block at TP=1, and its record.
     assert json.loads(purge.stdout)["deleted"] == 2 * stats["namespaces"][new_ns]["keys"] + 1
-    left = {parse_key(k).namespace for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
+    left = {parse_key(k).namespace for k in r.scan_iter(match=value_pattern())}
     assert left == before  # the other engine's objects are intact
-    assert not list(r.scan_iter(match=f"umbp:vllm:v2:{new_ns}:*"))
+    assert not list(r.scan_iter(match=namespace_pattern(new_ns)))
     # A copy of an engine's object with a damaged header fails validation.
-    src = next(iter(r.scan_iter(match=f"umbp:vllm:v2:{old_ns}:tp*"))).decode()
-    bad = src.rsplit(":", 1)[0] + ":" + "ab" * 32
+    src = next(iter(r.scan_iter(match=value_pattern(old_ns)))).decode()
+    bad = BlockIdentityCodec(old_ns).key(b"\xab" * 32, 0)
     r.restore(bad, 0, raw(r.dump(src)))
     h = raw(r.hget(bad, "h") or b"")
     r.hset(bad, "h", h[:4] + b"\x09\x00" + h[6:])  # format version 9
@@ -144,21 +169,12 @@ def test_fresh_engine_loads_prefix_and_survives_bad_values_and_outages(
         tiny_model,
         connector(url),
         phases,
-        # One reserved core (vLLM reserves two with a connector, all of this machine's):
-        # the worker's OpenMP threads are bound, and the transfer threads may leave them.
-        env={"VLLM_LOG_STATS_INTERVAL": "0.5", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        env={"VLLM_LOG_STATS_INTERVAL": "0.5"},
         engine_args={"disable_log_stats": False},
     )
     log = (work / "warm.log").read_text()
     # The connector's counters appear in vLLM's periodic log.
     assert "KV Transfer metrics: blocks_loaded=" in log
-    # transfer_cpus auto: beyond the CPUs vLLM bound the worker's OpenMP threads to.
-    bound = re.search(r"local_rank=0, core ids=\[([0-9, ]+)\]", log)
-    moved = re.search(r"transfer threads run on CPUs \[([0-9, ]+)\]", log)
-    assert bound is not None and moved is not None, log[-3000:]
-    omp = {int(c) for c in bound.group(1).split(",")}
-    transfer = {int(c) for c in moved.group(1).split(",")}
-    assert omp < transfer
     expected = tokens(baseline)
     for phase in ("warm", "after_corrupt", "after_delete", "redis_down", "redis_back"):
         assert tokens(res[phase]) == expected, phase
@@ -171,7 +187,31 @@ def test_fresh_engine_loads_prefix_and_survives_bad_values_and_outages(
     # With Redis down only the local prefix cache (just reset) could hit.
     assert all(o["cached"] <= 2 * BLOCK for o in res["redis_down"]["outputs"])
     assert res["keys_back"] == 2 + len(PROMPTS)  # stores resumed once Redis was back
-    server.restart()  # the fixture owns the server again
+
+
+def test_transfer_threads_leave_the_cpus_of_vllms_openmp_threads(
+    work: Path, tiny_model: Path, baseline: dict, redis_url: str
+) -> None:  # type: ignore[type-arg]
+    """transfer_cpus auto, in an engine core of its own process as vLLM runs it by
+    default, with one CPU reserved (vLLM reserves two with a connector, all of this
+    machine's): the worker's OpenMP threads are bound, the transfer threads leave them."""
+    res = run_engine(
+        work,
+        "threads",
+        tiny_model,
+        connector(redis_url),
+        [{"op": "generate", "name": "g"}],
+        env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        engine_core_process=True,
+    )
+    assert tokens(res["g"]) == tokens(baseline)
+    log = (work / "threads.log").read_text()
+    bound = re.search(r"local_rank=0, core ids=\[([0-9, ]+)\]", log)
+    moved = re.search(r"transfer threads run on CPUs \[([0-9, ]+)\]", log)
+    assert bound is not None and moved is not None, log[-3000:]
+    omp = {int(c) for c in bound.group(1).split(",")}
+    transfer = {int(c) for c in moved.group(1).split(",")}
+    assert omp < transfer
 
 
 def test_cold_then_warm_on_a_cluster_with_a_master_killed_mid_run(
@@ -191,7 +231,12 @@ def test_cold_then_warm_on_a_cluster_with_a_master_killed_mid_run(
             {"op": "kill_pid", "pid": victim.proc.pid},
             {"op": "reset"},
             {"op": "generate", "name": "master_down"},
-            {"op": "sleep", "seconds": 6},  # node timeout + election + a map refresh
+            {
+                "op": "cluster_failover",
+                "ports": [n.port for n in cl.nodes],
+                "victim": victim.port,
+                "masters": len(ports),
+            },
             {"op": "reset"},
             {"op": "generate", "name": "after_failover"},
             {"op": "reset"},
@@ -276,15 +321,13 @@ def test_kv_cache_events_announce_what_redis_holds(
 ) -> None:
     with EmbeddedRedis() as srv:
         phases = [
-            {"op": "sleep", "seconds": 1},  # the subscriber joins before anything is sent
-            {"op": "generate", "name": "cold", "settle_s": 2.0},
-            {"op": "generate", "name": "again"},  # later steps carry the last reports
+            {"op": "generate", "name": "cold"},
             {"op": "kv_events", "name": "events"},
         ]
         res = run_engine(
             work, "events", tiny_model, connector(srv.url), phases, kv_events_port=free_port()
         )
-        stored_keys = len(list(redis.Redis.from_url(srv.url).scan_iter(match="umbp:vllm:v2:*:tp*")))
+        stored_keys = len(list(redis.Redis.from_url(srv.url).scan_iter(match=value_pattern())))
     assert tokens(res["cold"]) == tokens(baseline)
     redis_events = [e for e in res["events"] if e["medium"] == "REDIS"]
     assert redis_events and {e["type"] for e in redis_events} == {"BlockStored"}
@@ -346,12 +389,22 @@ def test_tensor_parallel_two_ranks(work: Path, tiny_model: Path, baseline: dict)
             {"op": "generate", "name": "longer", "prompts": longer, "max_tokens": 1},
             {"op": "reset"},
             {"op": "generate", "name": "longer_warm", "prompts": longer, "max_tokens": 1},
-            {"op": "delete_pattern", "url": url, "pattern": "umbp:vllm:v2:*:tp1:*", "name": "tp1"},
+            {
+                "op": "delete_pattern",
+                "url": url,
+                "pattern": value_pattern(tp_rank=1),
+                "name": "tp1",
+            },
             {"op": "reset"},
             {"op": "generate", "name": "one_rank_missing"},
             {"op": "reset"},
             {"op": "generate", "name": "repaired"},
-            {"op": "count_keys", "url": url, "pattern": "umbp:vllm:v2:*:tp1:*", "name": "tp1_end"},
+            {
+                "op": "count_keys",
+                "url": url,
+                "pattern": value_pattern(tp_rank=1),
+                "name": "tp1_end",
+            },
             # An LRU Redis with room for about 10 rank values (5 blocks at TP=2): the
             # prompts' 6 blocks, then others', evict values and markers in any mix.
             {"op": "limit_memory", "url": url, "objects": 10, "object_bytes": 65536},
@@ -534,7 +587,7 @@ def test_hybrid_sliding_window_model_stores_per_group_and_loads_every_hit(
         )
         r = redis.Redis.from_url(srv.url)
         by_group: dict[int, int] = {}
-        for k in r.scan_iter(match="umbp:vllm:v2:*:tp*"):
+        for k in r.scan_iter(match=value_pattern()):
             g = parse_key(k.decode()).group_id
             by_group[g] = by_group.get(g, 0) + 1
         warm = run_engine(
@@ -595,7 +648,7 @@ def test_hybrid_model_in_lazy_store_mode_stores_on_eviction_and_loads_right_toke
         plain = run_engine(work, "hyl_plain", hybrid_model, None, [{"op": "generate", "name": "g"}])
         small = run_lazy_small(work, "hyl_small", hybrid_model, srv.url, other, blocks=24)
         r = redis.Redis.from_url(srv.url)
-        groups = {parse_key(k.decode()).group_id for k in r.scan_iter(match="umbp:vllm:v2:*:tp*")}
+        groups = {parse_key(k.decode()).group_id for k in r.scan_iter(match=value_pattern())}
         big = run_engine(
             work,
             "hyl_big",
@@ -666,7 +719,7 @@ def test_loads_by_layer_in_a_real_engine_give_the_tokens_of_recomputing(
             enforce_eager=eager,
         )
         r = redis.Redis.from_url(url)
-        fields = r.hkeys(next(r.scan_iter(match="umbp:vllm:v2:*:tp*")))
+        fields = r.hkeys(next(r.scan_iter(match=value_pattern())))
     log = (work / f"by_layer_{eager}.log").read_text()
     assert "loads of at most" in log and "did not wait for every layer" not in log
     assert sorted(fields) == [b"b", b"b1", b"h"]  # value format 3: a part per layer

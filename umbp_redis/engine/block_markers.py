@@ -132,6 +132,11 @@ class StoredMarkers:
         while len(self._events) > MAX_TRACKED:
             self._events.popitem(last=False)
 
+    @property
+    def awaiting_reports(self) -> int:
+        """Store events tracked here that some worker has not reported yet."""
+        return len(self._events)
+
     def note_store_report(
         self,
         codec: BlockIdentityCodec,
