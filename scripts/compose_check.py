@@ -159,14 +159,17 @@ class HostFirewall:
             self.SWITCH.write_text(self.switch + "\n")
 
 
-def start_daemon() -> subprocess.Popen[bytes] | None:
-    """A dockerd with the vfs storage driver if none answers; None if one did."""
+def start_daemon(isolated: bool = False) -> subprocess.Popen[bytes] | None:
+    """A dockerd with the vfs storage driver if none answers; None if one did.
+    ``isolated``: no bridge and no iptables rules (builds use the host's network), so
+    tests running beside it (network namespaces, veth pairs) see the host unchanged."""
     if docker_answers():
         return None
     if shutil.which("dockerd") is None:
         apt_install("docker.io")
     log = open(tempfile.mkstemp(prefix="dockerd-", suffix=".log")[1], "wb")  # noqa: SIM115
-    proc = subprocess.Popen(["dockerd", "--storage-driver=vfs"], stdout=log, stderr=log)
+    flags = ["--iptables=false", "--bridge=none"] if isolated else []
+    proc = subprocess.Popen(["dockerd", "--storage-driver=vfs", *flags], stdout=log, stderr=log)
     for _ in range(120):
         if docker_answers():
             return proc
@@ -521,6 +524,12 @@ def main() -> int:
         action="store_true",
         help="exit 0 with the reason when this machine cannot run the check (the test command)",
     )
+    ap.add_argument(
+        "--build-only",
+        action="store_true",
+        help="build the images and the model, then stop (a later run finds them built: "
+        "the test command builds them while pytest runs)",
+    )
     args = ap.parse_args()
     why_not = missing_preconditions()
     if why_not is not None:
@@ -533,7 +542,7 @@ def main() -> int:
     try:
         with step("Docker daemon"):
             firewall = HostFirewall()
-            daemon = start_daemon()
+            daemon = start_daemon(isolated=args.build_only)
             say("started dockerd (vfs)" if daemon else "a daemon was already running")
         base = args.base_image or BASE_IMAGE
         if args.base_image is None and not image_exists(BASE_IMAGE):
@@ -541,11 +550,15 @@ def main() -> int:
                 build_base_image()
         compose = compose_cmd()
         place_build_inputs()
+        # The same layers either way: the network a build step runs on is not part of
+        # its cache key, so the check's own builds reuse what --build-only built.
+        build_network = ["--network", "host"] if args.build_only else []
         with step(f"Redis image {REDIS_IMAGE}"):
             run(
                 "docker",
                 "build",
                 "-q",
+                *build_network,
                 "-f",
                 "docker/redis.Dockerfile",
                 "--build-arg",
@@ -565,6 +578,7 @@ def main() -> int:
                 "docker",
                 "build",
                 "-q",
+                *build_network,
                 "-f",
                 "docker/vllm-cpu.Dockerfile",
                 "--build-arg",
@@ -581,6 +595,7 @@ def main() -> int:
                 "docker",
                 "build",
                 "-q",
+                *build_network,
                 "-f",
                 "docker/router.Dockerfile",
                 "--build-arg",
@@ -595,6 +610,9 @@ def main() -> int:
 
             models = ROOT / ".umbp-test-cache" / "compose-models"
             build_tiny_llama(models / "tiny-llama")
+        if args.build_only:
+            say(f"images and model built in {time.monotonic() - T0:.0f} s")
+            return 0
         router, engines = free_port(), (free_port(), free_port())
         env = {
             "REDIS_IMAGE": server_image,

@@ -7,7 +7,8 @@ Phases: ``generate`` (greedy; ``logprobs`` records each token's), ``chat``
 cache), ``corrupt`` (flip a byte in every stored body), ``swap`` (move each value to
 another key), ``strip_checksum`` (rewrite headers as a writer without checksums),
 ``validate`` (inspect every value), ``delete`` (remove every stored key),
-``limit_memory`` (make the server a small LRU cache), ``evicted``, ``shutdown_redis``
+``limit_memory`` (make the server a small LRU cache), ``lru_tick`` (wait for a new
+second of its LRU clock), ``evicted``, ``shutdown_redis``
 and ``start_redis`` (a private server on a given port), ``kill_pid`` (SIGKILL a Redis
 node), ``cluster_failover`` (wait for a replica's promotion), ``node_keys`` (stored
 keys per node), ``load_totals`` (the worker's load counters), ``abort_after_one_step``
@@ -100,10 +101,16 @@ def _settle_stores(llm, sched: Any, flush_params: Any) -> None:  # type: ignore[
 
 
 def _redis_answers_again(sched: Any) -> bool:
-    """Whether the connector's data plane (of ``sched``, the scheduler half) has left
-    its fail-fast window: its stores, loads and lookups go to Redis again."""
+    """Whether the connector's data plane (of ``sched``, the scheduler half) uses Redis
+    again: a plane still asking what the server is (Redis was away at startup) has had
+    its answer, and the plane has left its fail-fast window."""
     plane = getattr(sched, "plane", None)
-    if plane is None or not hasattr(plane, "pool"):
+    if plane is None:
+        return True
+    if plane.lookup_mode == "pending":
+        return False
+    plane = getattr(plane, "inner", None) or plane
+    if not hasattr(plane, "pool"):  # a cluster's nodes keep their own windows
         return True
     return bool(plane.pool.healthy and plane.lookup_conn.health.healthy)
 
@@ -369,6 +376,15 @@ def main(spec_path: str) -> None:
             r.config_set("maxmemory-samples", 10)
             used = int(r.info("memory")["used_memory"])
             r.config_set("maxmemory", used + phase["objects"] * phase["object_bytes"])
+        elif op == "lru_tick":  # the server's LRU clock (1 s resolution) moves on
+            r = redis.Redis.from_url(phase["url"])
+            start = int(r.info("server")["lru_clock"])
+            wait_until(
+                lambda: int(r.info("server")["lru_clock"]) > start + 1,  # noqa: B023
+                10.0,
+                what="the LRU clock to tick",
+                poll_s=0.05,
+            )
         elif op == "evicted":
             r = redis.Redis.from_url(phase["url"])
             results[phase["name"]] = int(r.info("stats")["evicted_keys"])

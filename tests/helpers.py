@@ -109,6 +109,11 @@ def connector(url: str, *, module_path: bool = True, **extra: Any) -> dict[str, 
     }
 
 
+# Results of engines without the connector, by their spec: one engine start for the
+# same plain run asked by several test modules.
+_PLAIN_RUNS: dict[str, dict[str, Any]] = {}
+
+
 def run_engine(
     tmp: Path,
     name: str,
@@ -118,21 +123,18 @@ def run_engine(
     env: dict | None = None,
     **spec: Any,
 ) -> dict:  # type: ignore[type-arg]
+    """Run ``engine_runner.py`` with ``model``, connector config ``conn`` (None: no
+    connector) and ``phases``; return its results (the log is left as ``{name}.log``
+    in ``tmp``). A run without the connector and of only ``generate`` phases is run
+    once per session for the same model, prompts, phases, environment and spec."""
+    full = {"model": str(model), "connector": conn, "prompts": PROMPTS, "phases": phases, **spec}
+    plain = conn is None and all(p["op"] == "generate" for p in phases)
+    memo = json.dumps([full, env], sort_keys=True) if plain else ""
+    if memo in _PLAIN_RUNS:
+        return json.loads(json.dumps(_PLAIN_RUNS[memo]))  # a copy the caller may change
     out = tmp / f"{name}.json"
     spec_path = tmp / f"{name}.spec.json"
-    spec_path.write_text(
-        json.dumps(
-            {
-                "model": str(model),
-                "connector": conn,
-                "prompts": PROMPTS,
-                "phases": phases,
-                "out": str(out),
-                **spec,
-            }
-        )
-    )
-
+    spec_path.write_text(json.dumps({**full, "out": str(out)}))
     proc = subprocess.run(
         [sys.executable, str(RUNNER), str(spec_path)],
         capture_output=True,
@@ -143,7 +145,11 @@ def run_engine(
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    return json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())
+    if plain:
+        _PLAIN_RUNS[memo] = result
+        return json.loads(json.dumps(result))
+    return result
 
 
 def tokens(result: dict) -> list[list[int]]:  # type: ignore[type-arg]

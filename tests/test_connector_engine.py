@@ -297,7 +297,6 @@ def test_a_block_that_fails_to_load_is_not_offered_again(
             tiny_model,
             connector(url, load_failure_quarantine_s=quarantine_s, load_async=load_async),
             phases,
-            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
         )
     for phase in ("cold", "first", "second"):
         assert tokens(res[phase]) == tokens(baseline), phase
@@ -466,7 +465,6 @@ def test_preemption_under_a_small_kv_cache(work: Path, tiny_model: Path) -> None
             tiny_model,
             connector(srv.url),
             phases,
-            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
             max_tokens=40,
             max_model_len=1024,
             engine_args={"num_gpu_blocks_override": 10},
@@ -507,7 +505,6 @@ def run_lazy_small(
             {"op": "generate", "name": "warm"},
             {"op": "leak_check", "name": "leak"},
         ],
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
         max_model_len=1024,
         engine_args={"num_gpu_blocks_override": blocks},
     )
@@ -715,7 +712,6 @@ def test_loads_by_layer_in_a_real_engine_give_the_tokens_of_recomputing(
             # recompute them, rightly).
             connector(url, load_async="auto", decline_slow_loads=False),
             phases,
-            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine in-process: inspectable
             enforce_eager=eager,
         )
         r = redis.Redis.from_url(url)

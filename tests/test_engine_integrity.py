@@ -27,20 +27,13 @@ pytestmark = pytest.mark.vllm
 OBJECT_BYTES = 2 * 65536  # the tiny model: 2 layers x 64 KiB pages per block
 
 
-def connector(url: str, **extra: Any) -> dict[str, Any]:
-    """The connector as a new user writes it: no kv_load_failure_policy. Every hit
-    loads (``decline_slow_loads`` off): these tests check what loading does, and the
-    tiny model computes a block about as fast as it loads."""
+def connector(url: str) -> dict[str, Any]:
+    """The connector as a new user writes it: its defaults, no kv_load_failure_policy."""
     return {
         "kv_connector": "UMBPRedisConnector",
         "kv_connector_module_path": "umbp_redis.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "redis_url": url,
-            "fail_fast_s": 0.5,
-            "decline_slow_loads": False,
-            **extra,
-        },
+        "kv_connector_extra_config": {"redis_url": url},
     }
 
 
@@ -64,8 +57,9 @@ def server() -> Any:
 
 
 @pytest.fixture(scope="module")
-def baseline(work: Path, model_dir: Path) -> dict:  # type: ignore[type-arg]
-    return run_engine(work, "baseline1", model_dir, None, [{"op": "generate", "name": "g"}])["g"]
+def baseline(work: Path, tiny_model: Path) -> dict:  # type: ignore[type-arg]
+    """Tokens of the tiny model (the weights model_dir holds until a test rewrites them)."""
+    return run_engine(work, "baseline1", tiny_model, None, [{"op": "generate", "name": "g"}])["g"]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +102,6 @@ def integrity_run(
         model_dir,
         connector(url),
         phases,
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # one engine step per step() call
     )
 
 
@@ -170,11 +163,12 @@ def test_new_weights_at_the_same_path_share_nothing_and_hot_prefixes_stay(
         # A small LRU cache: room for about 24 objects; 6 shared + 36 unique are stored.
         {"op": "limit_memory", "url": url, "objects": 24, "object_bytes": OBJECT_BYTES},
     ]
-    # Rounds 1.5 s apart: Redis' LRU clock has a resolution of one second.
-    phases += [
-        {"op": "generate", "name": f"fill{i}", "prompts": r, "settle_s": 1.5}
-        for i, r in enumerate(rounds)
-    ]
+    # Rounds on distinct ticks of Redis' LRU clock (a resolution of one second).
+    for i, r in enumerate(rounds):
+        phases += [
+            {"op": "generate", "name": f"fill{i}", "prompts": r},
+            {"op": "lru_tick", "url": url},
+        ]
     phases += [
         {"op": "evicted", "url": url, "name": "evicted"},
         {"op": "reset"},

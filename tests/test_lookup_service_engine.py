@@ -87,13 +87,12 @@ def test_the_answer_is_what_a_fresh_engine_takes_from_redis(
             tiny_model,
             connector(url),
             [
-                {"op": "generate", "name": "plain", "prompts": STORED, "settle_s": 2.0},
+                {"op": "generate", "name": "plain", "prompts": STORED},
                 {
                     "op": "generate",
                     "name": "salted",
                     "prompts": [STORED[1]],
                     "cache_salt": "tenant-a",
-                    "settle_s": 2.0,
                 },
                 {"op": "generate", "name": "carry", "prompts": STORED[:1]},  # last reports
             ],
