@@ -7,17 +7,19 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
-from fake_servers import FakeServer, loading_server
-from helpers import check_stored_markers, wait_until_server_is_asleep
+from fake_servers import FakeServer, FrozenServer, loading_server
+from helpers import check_stored_markers
+from keys import block_keys, counter_prefix, rank_prefixes
 from typed_redis import raw
+from waiting import wait_until
 
-from umbp_redis.data.keys import parse_key
+from umbp_redis.data import parse_key
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.store import plane as dataplane
 from umbp_redis.store import resp
@@ -33,9 +35,19 @@ def make_plane(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def
     return RedisDataPlane(RedisSettings.from_url(url, **kw))
 
 
+def warmed(d: RedisDataPlane) -> RedisDataPlane:
+    """``d`` once its lookup connection is made. A lookup never waits past
+    ``lookup_timeout_s``, making that connection (off the caller's thread) included: on
+    a loaded machine a new plane's first lookup can read as unknown. Tests of what
+    lookups answer wait for the connection first."""
+    d.warm_up()
+    wait_until(lambda: d.lookup_conn.connects, what="the lookup connection")
+    return d
+
+
 @pytest.fixture
 def plane(redis_url: str) -> Iterator[RedisDataPlane]:
-    d = make_plane(redis_url, checksum=True)
+    d = warmed(make_plane(redis_url, checksum=True))
     yield d
     d.close()
 
@@ -44,16 +56,12 @@ def payloads(n: int, size: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, size), dtype=np.uint8)
 
 
-def keys_for(n: int, tag: str = "t") -> list[str]:
-    return [f"umbp:vllm:v2:test:tp0:pcp0:dcp0:pp0:g0:{tag}{i:060x}" for i in range(n)]
-
-
 # --- lookup --------------------------------------------------------------------------
 
 
 def test_lookup_reports_presence_in_order(plane: RedisDataPlane, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    keys = keys_for(300)
+    keys = block_keys(300)
     present = {i for i in range(300) if (i * 7) % 3 == 0}
     for i in present:
         r.set(keys[i], b"x")
@@ -74,7 +82,7 @@ def test_a_scheduler_lookup_of_1000_blocks_is_one_send(
         sent.append(len(buffers))
         return real(sock, buffers, use_sendmsg=use_sendmsg, deadline=deadline)
 
-    prefixes = [b"umbp:vllm:v2:onesend:tp0:pcp0:dcp0:pp0:g0:"]
+    prefixes = rank_prefixes("onesend")
     enc = plane.lookup_encoder(prefixes, refresh_ttl=True, hash_hex_len=64)
     blocks = [enc.encode(b"%064x" % i) for i in range(1000)]
     monkeypatch.setattr("umbp_redis.store.plane.send_buffers", counting)
@@ -84,7 +92,7 @@ def test_a_scheduler_lookup_of_1000_blocks_is_one_send(
 
 def test_lookup_refreshes_ttl_of_hits(plane: RedisDataPlane, redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    keys = keys_for(3)
+    keys = block_keys(3)
     r.set(keys[0], b"x", ex=10)
     assert plane.lookup(keys, refresh_ttl=True) == [True, False, False]
     assert r.ttl(keys[0]) > 10_000  # re-armed to ttl_seconds (default 86400)
@@ -95,26 +103,26 @@ def test_request_counts_ride_with_a_lookup_and_a_full_redis_refusing_them_fails_
     own_redis: EmbeddedRedis,
 ) -> None:
     r = redis.Redis.from_url(own_redis.url)
-    plane = make_plane(own_redis.url, ttl_seconds=600)
-    prefix = b"umbp:vllm:v2:cnt:tp0:pcp0:dcp0:pp0:g0:"
-    counter_prefix = b"umbp:vllm:v2:cnt:asked:"
+    plane = warmed(make_plane(own_redis.url, ttl_seconds=600))
+    (prefix,) = rank_prefixes("cnt")
+    counters = counter_prefix("cnt")
     enc = plane.lookup_encoder([prefix], refresh_ttl=True, hash_hex_len=64)
-    cnt = plane.request_count_encoder(counter_prefix, hash_hex_len=64)
+    cnt = plane.request_count_encoder(counters, hash_hex_len=64)
     hashes = [b"%064x" % i for i in range(3)]
     r.set(prefix + hashes[0], b"x")
     blocks = [enc.encode(h) for h in hashes] + [cnt.encode(h) for h in hashes]
     # Lookup replies, then (count, EXPIRE's 1) per block.
     assert plane.lookup_blocks(blocks, 9, counted_from=3) == [1, 0, 0, 1, 1, 1, 1, 1, 1]
     assert plane.lookup_blocks(blocks, 9, counted_from=3) == [1, 0, 0, 2, 1, 2, 1, 2, 1]
-    assert 0 < r.ttl(counter_prefix + hashes[1]) <= 600
+    assert 0 < r.ttl(counters + hashes[1]) <= 600
     with pytest.raises(ValueError):
-        parse_key(counter_prefix + hashes[1])  # not a block key: ls and inspect skip it
+        parse_key(counters + hashes[1])  # not a block key: ls and inspect skip it
     # A full Redis that evicts nothing refuses INCR: the counts read 0 (nothing is
     # admitted), the lookup still answers.
     r.config_set("maxmemory-policy", "noeviction")
     r.config_set("maxmemory", 1)
     assert plane.lookup_blocks(blocks, 9, counted_from=3) == [1, 0, 0, 0, 1, 0, 1, 0, 1]
-    assert r.get(counter_prefix + hashes[0]) == b"2"
+    assert r.get(counters + hashes[0]) == b"2"
     plane.close()
 
 
@@ -130,23 +138,37 @@ def test_keyed_commands_read_an_error_reply_as_unknown(
     plane: RedisDataPlane, redis_url: str
 ) -> None:
     r = redis.Redis.from_url(redis_url)
-    r.hset("umbp:vllm:v2:keyed:h", "f", b"x")
+    h, s, n = (k.encode() for k in block_keys(3, "keyed"))
+    r.hset(h, "f", b"x")
     cmds = [
-        (b"umbp:vllm:v2:keyed:h", resp.encode_command(b"INCR", b"umbp:vllm:v2:keyed:h")),
-        (b"umbp:vllm:v2:keyed:s", resp.encode_command(b"SET", b"umbp:vllm:v2:keyed:s", b"1")),
-        (b"umbp:vllm:v2:keyed:n", resp.encode_command(b"EXPIRE", b"umbp:vllm:v2:keyed:n", b"9")),
+        (h, resp.encode_command(b"INCR", h)),
+        (s, resp.encode_command(b"SET", s, b"1")),
+        (n, resp.encode_command(b"EXPIRE", n, b"9")),
     ]
     # WRONGTYPE says nothing about the key's presence: -1, not the 0 of an absent key.
     assert plane.run_keyed(cmds, timeout=2.0) == [-1, 1, 0]
     r.close()
 
 
-def test_keyed_commands_to_no_server_end_within_their_timeout() -> None:
+def test_keyed_commands_to_no_server_end_within_their_timeout(own_redis: EmbeddedRedis) -> None:
+    """Refused, or sent to a server that stops answering: None (counted), by the call's
+    ``timeout``, whatever ``connect_timeout_s`` and ``op_timeout_s`` (an hour here) say:
+    the calls return with the server still frozen, on the connection they had and
+    on a new one."""
+    k = block_keys(1, "keyed")[0].encode()
+    cmd = [(k, resp.encode_command(b"SET", k, b"1"))]
     d = make_plane(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.2)
-    t0 = time.monotonic()
-    assert d.run_keyed([(b"k", resp.encode_command(b"SET", b"k", b"1"))], timeout=0.5) is None
-    assert time.monotonic() - t0 < 2.0
+    assert d.run_keyed(cmd, timeout=0.5) is None
     assert d.counters()["upkeep_errors"] == 1
+    d.close()
+    d = make_plane(own_redis.url, connect_timeout_s=3600, op_timeout_s=3600, fail_fast_s=0)
+    assert d.run_keyed(cmd, timeout=10) == [1]  # connected
+    with FrozenServer(own_redis) as frozen:
+        assert d.run_keyed(cmd, timeout=0.5) is None  # on the connection it had
+        assert d.run_keyed(cmd, timeout=0.5) is None  # on a new one (that one was closed)
+        assert frozen.still_frozen  # ended by their timeout: nothing was answered
+    assert d.counters()["upkeep_errors"] == 2
+    assert d.pool.connects == 1  # the new connection's handshake was never answered
     d.close()
 
 
@@ -168,7 +190,7 @@ def test_values_in_parts_load_whole_or_a_part_of_every_key_at_a_time(
     d = make_plane(redis_url, checksum=True, transfer_connections=connections)
     try:
         src = payloads(n, size, seed=31)
-        keys = keys_for(n, f"parts{connections}")
+        keys = block_keys(n, f"parts{connections}")
         assert (
             d.store(list(zip(keys, src, strict=True)), FP, parts=PARTS) == [StoreStatus.STORED] * n
         )
@@ -232,7 +254,7 @@ def test_store_then_load_is_byte_exact_with_ttl(plane: RedisDataPlane, redis_url
     r = redis.Redis.from_url(redis_url)
     for size in (1000, 65536, 2 << 20, 3 * 65536 + 123):
         src = payloads(6, size, seed=size)
-        keys = keys_for(6, f"{size:x}")
+        keys = block_keys(6, f"{size:x}")
         assert plane.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 6
         for k in keys:
             assert 86000 < r.ttl(k) <= 86400
@@ -245,7 +267,7 @@ def test_store_then_load_is_byte_exact_with_ttl(plane: RedisDataPlane, redis_url
 
 def test_store_takes_the_ttl_seconds_option(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    k = keys_for(1)[0]
+    k = block_keys(1)[0]
     short = make_plane(redis_url, ttl_seconds=60)
     try:
         short.store([(k, payloads(1, 100)[0])], FP)
@@ -266,7 +288,7 @@ def test_store_sends_staging_memory_without_copies(
         return real(sock, buffers, use_sendmsg=use_sendmsg)
 
     monkeypatch.setattr("umbp_redis.store.plane.send_buffers", spy)
-    plane.store(list(zip(keys_for(4), src, strict=True)), FP)
+    plane.store(list(zip(block_keys(4), src, strict=True)), FP)
     assert len(seen) == 4
     for i, mv in enumerate(seen):
         assert np.shares_memory(np.asarray(mv), src[i])  # a view of the staging row
@@ -281,12 +303,22 @@ def test_memory_footprint_within_2_percent(redis_url: str) -> None:
         info = r.info("memory")
         return int(info["used_memory"]) - int(info["mem_clients_normal"])
 
+    def planes_clients() -> set[str]:
+        """The server's connections named by a data plane (``CLIENT SETNAME``)."""
+        return {c["id"] for c in r.client_list() if c["name"] == "umbp-redis"}
+
+    def dropped(ids: set[str]) -> Callable[[], bool]:
+        return lambda: not planes_clients() & ids
+
     for size, count in ((65536, 256), (2 << 20, 16)):
         r.flushall()
         before = dataset()
-        d.store(list(zip(keys_for(count, f"m{size:x}"), payloads(count, size), strict=True)), FP)
+        earlier = planes_clients()
+        d.store(list(zip(block_keys(count, f"m{size:x}"), payloads(count, size), strict=True)), FP)
+        ours = planes_clients() - earlier  # the store's connections
+        assert ours
         d.pool.close()  # our connections' query buffers are not the objects' footprint
-        time.sleep(0.2)
+        wait_until(dropped(ours), what="the server to drop the store's connections")
         ratio = (dataset() - before) / (count * size)
         assert 0.99 < ratio <= 1.02, (size, ratio)
     d.close()
@@ -296,7 +328,7 @@ def test_memory_footprint_within_2_percent(redis_url: str) -> None:
 
 
 def _stored(plane: RedisDataPlane, size: int = 65536, tag: str = "inv") -> tuple[str, np.ndarray]:
-    k = keys_for(1, tag)[0]
+    k = block_keys(1, tag)[0]
     src = payloads(1, size, seed=9)
     assert plane.store([(k, src[0])], FP) == [StoreStatus.STORED]
     return k, src
@@ -308,7 +340,7 @@ def _load_one(plane: RedisDataPlane, k: str, size: int = 65536, fp: bytes = FP) 
 
 
 def test_missing_and_wrong_fingerprint(plane: RedisDataPlane) -> None:
-    assert _load_one(plane, "umbp:nothing") is LoadStatus.MISSING
+    assert _load_one(plane, block_keys(1, "nothing")[0]) is LoadStatus.MISSING
     k, _ = _stored(plane)
     assert _load_one(plane, k, fp=b"\x08" * 16) is LoadStatus.INVALID
     assert _load_one(plane, k, size=65536 - 1) is LoadStatus.INVALID  # wrong length expected
@@ -350,7 +382,7 @@ def test_each_invalid_value_is_reported_invalid(
         assert plane.settings.checksum
     assert _load_one(plane, k) is LoadStatus.INVALID
     # The connection stays in sync: the next load on it is right.
-    k2 = keys_for(1, "ok")[0]
+    k2 = block_keys(1, "ok")[0]
     good = payloads(1, 65536, seed=3)
     plane.store([(k2, good[0])], FP)
     dst = np.zeros(65536, dtype=np.uint8)
@@ -369,7 +401,7 @@ def test_any_byte_of_a_header_changed_is_invalid_and_the_rest_still_loads(
     r = redis.Redis.from_url(redis_url)
     size = sum(PARTS) if split else 65536
     src = payloads(2, size, seed=41)
-    keys = keys_for(2, f"flip{len(split or ())}")
+    keys = block_keys(2, f"flip{len(split or ())}")
     stored = plane.store(list(zip(keys, src, strict=True)), FP, parts=split)
     assert stored == [StoreStatus.STORED] * 2
     h = raw(r.hget(keys[0], "h"))
@@ -391,7 +423,7 @@ def test_a_key_of_another_type_is_an_error_not_invalid(
     plane: RedisDataPlane, redis_url: str
 ) -> None:
     r = redis.Redis.from_url(redis_url)
-    k = keys_for(1, "str")[0]
+    k = block_keys(1, "str")[0]
     r.set(k, b"plain string")  # not ours: WRONGTYPE says nothing about our bytes
     assert _load_one(plane, k) is LoadStatus.ERROR
     assert r.get(k) == b"plain string"
@@ -412,7 +444,7 @@ def test_a_key_of_another_type_is_an_error_not_invalid(
 def test_error_replies_to_a_load_are_errors_never_invalid(error: bytes) -> None:
     srv = FakeServer(lambda data: b"-" + error + b"\r\n" * data.count(b"HMGET"))
     d = make_plane(srv.url, fail_fast_s=0)
-    assert _load_one(d, keys_for(1)[0]) is LoadStatus.ERROR
+    assert _load_one(d, block_keys(1)[0]) is LoadStatus.ERROR
     assert d.stats.snapshot()["load_invalid"] == 0
     d.close()
     srv.close()
@@ -434,9 +466,9 @@ def test_error_replies_to_a_load_are_errors_never_invalid(error: bytes) -> None:
 def test_malformed_replies_are_misses_never_exceptions(reply: bytes) -> None:
     srv = FakeServer(lambda data: reply * 4)
     d = make_plane(srv.url, fail_fast_s=0, lookup_timeout_s=0.5)
-    assert d.lookup(keys_for(3)) is None
-    assert _load_one(d, keys_for(1)[0]) in (LoadStatus.ERROR, LoadStatus.INVALID)
-    assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
+    assert d.lookup(block_keys(3)) is None
+    assert _load_one(d, block_keys(1)[0]) in (LoadStatus.ERROR, LoadStatus.INVALID)
+    assert d.store([(block_keys(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
     d.close()
     srv.close()
 
@@ -464,7 +496,7 @@ def test_in_flight_bound_keeps_within_client_output_buffer_limit(own_redis: Embe
     r = redis.Redis.from_url(own_redis.url)
     r.config_set("client-output-buffer-limit", "normal 8mb 8mb 0")
     src = payloads(24, 2 << 20)
-    keys = keys_for(24)
+    keys = block_keys(24)
     bounded = make_plane(own_redis.url, max_inflight_bytes=4 << 20, transfer_connections=1)
     assert set(bounded.store(list(zip(keys, src, strict=True)), FP)) == {StoreStatus.STORED}
     dst = np.zeros_like(src)
@@ -486,7 +518,7 @@ def test_in_flight_bound_keeps_within_client_output_buffer_limit(own_redis: Embe
 def test_large_batches_use_several_connections(redis_url: str) -> None:
     d = make_plane(redis_url, transfer_connections=3)
     src = payloads(12, 2 << 20)
-    d.store(list(zip(keys_for(12), src, strict=True)), FP)
+    d.store(list(zip(block_keys(12), src, strict=True)), FP)
     assert d.pool.connects == 3
     d.close()
 
@@ -497,51 +529,53 @@ def test_large_batches_use_several_connections(redis_url: str) -> None:
 def test_connection_refused_is_a_miss_and_fails_fast() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     d = make_plane(url, fail_fast_s=30)
-    t0 = time.monotonic()
-    assert d.lookup(keys_for(5)) is None
-    assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
+    assert d.lookup(block_keys(5)) is None
+    assert d.store([(block_keys(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
     dst = np.zeros(100, dtype=np.uint8)
-    assert d.load([(keys_for(1)[0], dst.data)], FP) == [LoadStatus.ERROR]
-    assert d.pool.failures == 1  # later calls failed fast, without trying to connect
-    assert time.monotonic() - t0 < 1.0
+    assert d.load([(block_keys(1)[0], dst.data)], FP) == [LoadStatus.ERROR]
+    assert d.store([(block_keys(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
+    # One connection attempt, refused; the later calls failed fast, without trying.
+    assert (d.pool.failures, d.pool.connects) == (1, 0)
     assert not d.pool.healthy
     d.close()
 
 
 def test_timeout_is_bounded_and_a_miss(own_redis: EmbeddedRedis) -> None:
+    """A server that stops answering: a lookup ends by ``lookup_timeout_s``, a load by
+    ``op_timeout_s``, each a miss, with the server still frozen (so neither waited
+    for it); once it answers again so do the calls, on fresh connections."""
     d = make_plane(own_redis.url, lookup_timeout_s=0.2, op_timeout_s=0.3, fail_fast_s=0)
-    d.lookup(keys_for(1))  # connect first
-    blocker = redis.Redis.from_url(own_redis.url)
-    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "1.5"))
-    th.start()
-    wait_until_server_is_asleep(own_redis.url)
-    t0 = time.monotonic()
-    assert d.lookup(keys_for(3)) is None
-    assert time.monotonic() - t0 < 0.6
+    k, *absent = block_keys(4)
+    item = [(k, payloads(1, 100)[0])]
+    # Connected (a loaded machine may outlast 0.3 s once: that store then fails).
+    wait_until(lambda: d.store(item, FP) == [StoreStatus.STORED], what="a store")
+    warmed(d)
+    before = d.counters()
     dst = np.zeros(100, dtype=np.uint8)
-    t0 = time.monotonic()
-    assert d.load([(keys_for(1)[0], dst.data)], FP) == [LoadStatus.ERROR]
-    assert time.monotonic() - t0 < 1.0
-    th.join()
-    assert d.lookup(keys_for(3)) == [False] * 3  # back to normal on a fresh connection
+    with FrozenServer(own_redis) as frozen:
+        assert d.lookup(absent) is None
+        assert d.load([(k, dst.data)], FP) == [LoadStatus.ERROR]
+        assert frozen.still_frozen  # ended by their timeouts: nothing was answered
+    after = d.counters()
+    assert after["lookup_timeouts"] - before["lookup_timeouts"] == 1
+    assert after["load_errors"] - before["load_errors"] == 1
+    # Back to normal on fresh connections (the lookup's is made off its thread).
+    wait_until(lambda: d.lookup(absent) == [False] * 3, what="lookups answered again")
+    wait_until(lambda: d.load([(k, dst.data)], FP) == [LoadStatus.LOADED], what="a load")
     d.close()
 
 
 def test_a_load_with_a_deadline_ends_by_it(own_redis: EmbeddedRedis) -> None:
-    """``deadline`` bounds the whole load, however long ``op_timeout_s`` is."""
-    d = make_plane(own_redis.url, op_timeout_s=5.0, fail_fast_s=0)
-    k = keys_for(1, "deadline")[0]
+    """``deadline`` bounds the whole load, however long ``op_timeout_s`` is (an hour
+    here): the load ends with the server still frozen."""
+    d = make_plane(own_redis.url, op_timeout_s=3600, fail_fast_s=0)
+    k = block_keys(1, "deadline")[0]
     assert d.store([(k, payloads(1, 4096)[0])], FP) == [StoreStatus.STORED]
     dst = np.zeros(4096, dtype=np.uint8)
-    assert d.load([(k, dst.data)], FP, deadline=time.monotonic() + 1.0) == [LoadStatus.LOADED]
-    blocker = redis.Redis.from_url(own_redis.url)
-    th = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "2"))
-    th.start()
-    wait_until_server_is_asleep(own_redis.url)
-    t0 = time.monotonic()
-    assert d.load([(k, dst.data)], FP, deadline=time.monotonic() + 0.3) == [LoadStatus.ERROR]
-    assert time.monotonic() - t0 < 1.0  # the server slept 2 s, op_timeout_s is 5 s
-    th.join()
+    assert d.load([(k, dst.data)], FP, deadline=time.monotonic() + 30) == [LoadStatus.LOADED]
+    with FrozenServer(own_redis) as frozen:
+        assert d.load([(k, dst.data)], FP, deadline=time.monotonic() + 0.3) == [LoadStatus.ERROR]
+        assert frozen.still_frozen  # ended by the deadline: nothing was answered
     assert d.pool.healthy  # a slow server is not an unreachable one: no fail-fast window
     assert d.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
     d.close()
@@ -555,7 +589,7 @@ def test_a_store_cut_before_its_exec_leaves_no_value_without_ttl(
     but not the EXEC: nothing may be written, or the value would never expire."""
     r = redis.Redis.from_url(own_redis.url)
     d = make_plane(own_redis.url, transfer_connections=1)
-    assert d.store([(keys_for(1, "warm")[0], payloads(1, 64)[0])], FP) == [StoreStatus.STORED]
+    assert d.store([(block_keys(1, "warm")[0], payloads(1, 64)[0])], FP) == [StoreStatus.STORED]
     assert r.info("clients")["connected_clients"] == 2  # the pool's connection is open
 
     def cut(sock: socket.socket, buffers: list, *, use_sendmsg: bool, deadline=None) -> None:  # type: ignore[no-untyped-def, type-arg]
@@ -565,17 +599,18 @@ def test_a_store_cut_before_its_exec_leaves_no_value_without_ttl(
         raise RedisUnavailableError("connection lost (test)")
 
     monkeypatch.setattr(dataplane, "send_buffers", cut)
-    k = keys_for(1, "cut")[0]
+    k = block_keys(1, "cut")[0]
     assert d.store([(k, payloads(1, 4096)[0])], FP) == [StoreStatus.ERROR]
     # Once the server has dropped the client it has read every byte that was sent.
-    deadline = time.monotonic() + 5
-    while r.info("clients")["connected_clients"] > 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert r.info("clients")["connected_clients"] == 1
+    wait_until(
+        lambda: r.info("clients")["connected_clients"] == 1,
+        what=lambda: f"the server to drop the cut connection: {r.client_list()}",
+    )
     assert not r.exists(k)
 
     monkeypatch.undo()
-    time.sleep(d.settings.fail_fast_s)
+    # The cut connection opened the fail-fast window: stores fail until it closes.
+    wait_until(lambda: d.pool.healthy, what="the fail-fast window to close")
     assert d.store([(k, payloads(1, 4096)[0])], FP) == [StoreStatus.STORED]
     assert 0 < r.ttl(k) <= 86400
     d.close()
@@ -606,7 +641,7 @@ def test_acl_user_without_transactions_still_stores_with_ttl(
     monkeypatch.setattr(dataplane, "_warned_no_transactions", False)
     with EmbeddedRedis() as srv:
         admin, d = acl_user(srv, "-@transaction")
-        keys = keys_for(3)
+        keys = block_keys(3)
         with caplog.at_level("WARNING", logger="umbp_redis.store.plane"):
             st = d.store(list(zip(keys, payloads(3, 1000), strict=True)), FP)
         assert st == [StoreStatus.STORED] * 3
@@ -620,23 +655,23 @@ def test_oom_is_reported_per_key(own_redis: EmbeddedRedis) -> None:
     r = redis.Redis.from_url(own_redis.url)
     r.config_set("maxmemory-policy", "noeviction")
     r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + (3 << 20)))
-    d = make_plane(own_redis.url, transfer_connections=1)
-    st = d.store(list(zip(keys_for(16), payloads(16, 1 << 20), strict=True)), FP)
+    d = warmed(make_plane(own_redis.url, transfer_connections=1))
+    st = d.store(list(zip(block_keys(16), payloads(16, 1 << 20), strict=True)), FP)
     assert StoreStatus.STORED in st and StoreStatus.OOM in st
     assert d.pool.healthy  # OOM is not an outage
-    assert d.lookup(keys_for(1)) == [True]
+    assert d.lookup(block_keys(1)) == [True]
     d.close()
 
 
 def test_server_restart_reconnects_automatically(own_redis: EmbeddedRedis) -> None:
     d = make_plane(own_redis.url, fail_fast_s=0.3)
-    k = keys_for(1)[0]
+    k = block_keys(1)[0]
     d.store([(k, payloads(1, 100)[0])], FP)
     own_redis.kill()
     assert d.lookup([k]) is None
     own_redis.start()  # empty: it keeps nothing on disk
-    time.sleep(0.35)
-    assert d.lookup([k]) == [False]
+    # Past the fail-fast window, the lookup connection is made again by itself.
+    wait_until(lambda: d.lookup([k]) == [False], what="a lookup answered by the new server")
     assert d.store([(k, payloads(1, 100)[0])], FP) == [StoreStatus.STORED]
     assert d.lookup([k]) == [True]
     d.close()
@@ -644,9 +679,9 @@ def test_server_restart_reconnects_automatically(own_redis: EmbeddedRedis) -> No
 
 def test_loading_server_is_a_miss() -> None:
     srv = loading_server()
-    d = make_plane(f"redis://127.0.0.1:{srv.port}/0", fail_fast_s=5)
-    assert d.lookup(keys_for(2)) is None
-    assert d.store([(keys_for(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
+    d = make_plane(f"redis://127.0.0.1:{srv.port}/0", fail_fast_s=3600)
+    assert d.lookup(block_keys(2)) is None
+    assert d.store([(block_keys(1)[0], payloads(1, 100)[0])], FP) == [StoreStatus.ERROR]
     assert not d.pool.healthy
     srv.close()
     d.close()
@@ -657,13 +692,13 @@ def test_loading_server_is_a_miss() -> None:
 
 def test_password_auth(tmp_path: Path) -> None:
     with EmbeddedRedis(password="pw-123") as srv:
-        good = make_plane(f"redis://:pw-123@127.0.0.1:{srv.port}/0")
-        assert good.lookup(keys_for(1)) == [False]
-        assert good.store([(keys_for(1)[0], payloads(1, 64)[0])], FP) == [StoreStatus.STORED]
+        good = warmed(make_plane(f"redis://:pw-123@127.0.0.1:{srv.port}/0"))
+        assert good.lookup(block_keys(1)) == [False]
+        assert good.store([(block_keys(1)[0], payloads(1, 64)[0])], FP) == [StoreStatus.STORED]
         bad = make_plane(f"redis://:wrong-pw@127.0.0.1:{srv.port}/0")
-        assert bad.lookup(keys_for(1)) is None
+        assert bad.lookup(block_keys(1)) is None
         nopw = make_plane(srv.url)
-        assert nopw.lookup(keys_for(1)) is None
+        assert nopw.lookup(block_keys(1)) is None
         from umbp_redis.store.connection import RedisConnection
         from umbp_redis.store.errors import RedisAuthError
 
@@ -679,13 +714,13 @@ def acl_user(srv: EmbeddedRedis, *rules: str) -> tuple[redis.Redis, RedisDataPla
     use ``umbp:*`` keys with every command but as ``rules`` take away."""
     admin = redis.Redis(port=srv.port)
     admin.execute_command("ACL", "SETUSER", "umbp", "on", ">acl-pw", "~umbp:*", "+@all", *rules)
-    return admin, make_plane(f"redis://umbp:acl-pw@127.0.0.1:{srv.port}/0")
+    return admin, warmed(make_plane(f"redis://umbp:acl-pw@127.0.0.1:{srv.port}/0"))
 
 
 def test_acl_user_limited_to_umbp_keys() -> None:
     with EmbeddedRedis() as srv:
         admin, d = acl_user(srv, "-@dangerous")
-        ok = keys_for(2)
+        ok = block_keys(2)
         assert (
             d.store(list(zip(ok, payloads(2, 1000), strict=True)), FP) == [StoreStatus.STORED] * 2
         )
@@ -767,7 +802,7 @@ def test_tls_connection(tmp_path: Path) -> None:
     try:
         d = make_plane(srv.url, tls_ca_cert=files[2])
         src = payloads(3, 65536)
-        keys = keys_for(3)
+        keys = block_keys(3)
         assert d.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 3
         dst = np.zeros_like(src)
         assert (
@@ -786,8 +821,8 @@ def test_tls_connection(tmp_path: Path) -> None:
 
 def test_unix_socket() -> None:
     with EmbeddedRedis(unix_socket=True) as srv:
-        d = make_plane(srv.url)
-        k = keys_for(1)[0]
+        d = warmed(make_plane(srv.url))
+        k = block_keys(1)[0]
         assert d.store([(k, payloads(1, 5000)[0])], FP) == [StoreStatus.STORED]
         assert d.lookup([k]) == [True]
         d.close()
@@ -797,13 +832,13 @@ def test_reply_buffer_gives_memory_back_after_a_large_reply(plane: RedisDataPlan
     # This payload keeps a 2 MiB tail in field h, which the reader buffers whole.
     size = (10 << 20) - 100
     assert size - body_length(size) > 4 * resp._READ_CHUNK
-    k = keys_for(1, "big")[0]
+    k = block_keys(1, "big")[0]
     src = payloads(1, size)
     assert plane.store([(k, src[0])], FP) == [StoreStatus.STORED]
     dst = np.zeros(size, dtype=np.uint8)
     assert plane.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
     assert np.array_equal(dst, src[0])
-    small = keys_for(1, "small")[0]
+    small = block_keys(1, "small")[0]
     plane.store([(small, payloads(1, 64)[0])], FP)
     assert plane.load([(small, np.zeros(64, dtype=np.uint8).data)], FP) == [LoadStatus.LOADED]
     with plane.pool.connection() as conn:
@@ -818,7 +853,7 @@ def test_load_into_pieces_equals_load_into_one_buffer(
     the same bytes, with the header's tail (``body_length(size) < size``) and checksum
     spread over the pieces; a corrupted value is invalid either way."""
     src = payloads(3, size, seed=size)
-    keys = keys_for(3, f"pc{size:x}")
+    keys = block_keys(3, f"pc{size:x}")
     assert plane.store(list(zip(keys, src, strict=True)), FP) == [StoreStatus.STORED] * 3
     whole = np.zeros_like(src)
     parts = np.zeros_like(src)
@@ -840,37 +875,72 @@ def test_load_into_pieces_equals_load_into_one_buffer(
     assert plane.load([(keys[0], short)], FP) == [LoadStatus.INVALID]
 
 
+class ReaderEnd:
+    """The reader's end of a socket pair, watched: each receive takes at most ``cap``
+    bytes (the rest as if still on its way) and is counted in ``receives``; ``began``
+    is set as each begins (a sender waits on it for the reader to be waiting). With
+    ``scatter`` False it has no ``recvmsg_into``, as a TLS socket (one read per piece)."""
+
+    def __init__(self, sock: socket.socket, cap: int = 1 << 20, scatter: bool = True) -> None:
+        self.sock = sock
+        self.cap = cap
+        self.receives = 0
+        self.began = threading.Event()
+        self.settimeout = sock.settimeout
+        self.setblocking = sock.setblocking
+        if scatter:
+            self.recvmsg_into = self._recvmsg_into
+
+    def recv_into(self, buf: memoryview) -> int:
+        self.receives += 1
+        self.began.set()
+        return self.sock.recv_into(memoryview(buf)[: self.cap])
+
+    def _recvmsg_into(self, buffers: list[memoryview]) -> tuple[int, list, int, object]:  # type: ignore[type-arg]
+        self.receives += 1
+        self.began.set()
+        capped, left = [], self.cap
+        for b in buffers:
+            if not left:
+                break
+            capped.append(memoryview(b)[:left])
+            left -= capped[-1].nbytes
+        return self.sock.recvmsg_into(capped)
+
+    def send_once_waiting(self, peer: socket.socket, data: bytes) -> threading.Thread:
+        """Send ``data`` from ``peer`` once the reader has begun its next receive."""
+        self.began.clear()
+
+        def send() -> None:
+            assert self.began.wait(10), "the reader never waited"
+            peer.sendall(data)
+
+        t = threading.Thread(target=send)
+        t.start()
+        return t
+
+
 @pytest.mark.parametrize("scatter_read", [True, False])
 def test_reading_into_pieces_takes_buffered_then_received_bytes(scatter_read: bool) -> None:
     """``read_exact_into_pieces`` over a socket pair: bytes already buffered go first,
-    the rest arrives in small sends; with ``recvmsg_into`` (scatter reads) and without
-    (as over TLS: one read per piece)."""
+    the rest arrives in small receives; with ``recvmsg_into`` (scatter reads) and
+    without (as over TLS: one read per piece)."""
     a, b = socket.socketpair()
-
-    class NoScatter:
-        def __init__(self, sock: socket.socket) -> None:
-            self.recv_into = sock.recv_into
-            self.settimeout = sock.settimeout
-
+    a.settimeout(10)
     data = bytes(range(256)) * 40
-    reader = resp.ReplyReader(a if scatter_read else NoScatter(a))  # type: ignore[arg-type]
+    end = ReaderEnd(a, cap=777, scatter=scatter_read)
+    reader = resp.ReplyReader(end)  # type: ignore[arg-type]
     b.sendall(data[:100])
     reader._fill()
     assert reader.end - reader.start == 100
-
-    def rest() -> None:
-        for i in range(100, len(data), 777):
-            b.sendall(data[i : i + 777])
-            time.sleep(0.001)
-
-    t = threading.Thread(target=rest)
-    t.start()
+    b.sendall(data[100:])  # all of it fits in the socket's buffer; read 777 bytes at a time
+    received = end.receives
     out = bytearray(len(data))
     view = memoryview(out)
     cuts = [0, 1, 51, 5051, len(data)]
     reader.read_exact_into_pieces([view[x:y] for x, y in zip(cuts, cuts[1:], strict=False)])
-    t.join()
     assert bytes(out) == data
+    assert end.receives - received >= -(-(len(data) - 100) // 777)  # in small receives
     a.close()
     b.close()
 
@@ -880,14 +950,15 @@ def test_reading_a_known_framing_takes_it_whole_or_nothing() -> None:
     there; a reply of another shape, or one cut short in the buffer, is left untouched
     for the field-by-field parser, and it never waits on bytes that may not come."""
     a, b = socket.socketpair()
-    a.settimeout(2)
+    a.settimeout(10)
     reader = resp.ReplyReader(a)
     frame = b"*2\r\n$4\r\n"
-    # A missing key's reply: shorter than the frame promises; nothing is consumed.
+    # A missing key's reply: shorter than the frame promises; nothing is consumed. The
+    # socket does not block: a receive with nothing there (a wait) would raise.
     b.sendall(b"*2\r\n$-1\r\n$-1\r\n")
-    t0 = time.monotonic()
+    a.setblocking(False)
     assert reader.read_expected(frame, 4) is None
-    assert time.monotonic() - t0 < 1  # did not wait for more
+    a.settimeout(10)
     assert reader.read_reply() == [None, None]
     # The expected reply, in one send: the field comes back, the next field follows.
     b.sendall(b"*2\r\n$4\r\nhead\r\n$3\r\nabc\r\n")
@@ -913,36 +984,30 @@ def test_expected_replies_are_taken_whole_and_waited_for_only_once_begun() -> No
     nothing is buffered or what is buffered begins a candidate (the replies it begins
     must then go on), and leaves any other reply untouched for the parser."""
     a, b = socket.socketpair()
-    a.settimeout(2)
-    reader = resp.ReplyReader(a)
+    a.settimeout(10)
+    end = ReaderEnd(a)
+    reader = resp.ReplyReader(end)  # type: ignore[arg-type]
     usual = (b"+OK\r\n:0\r\n", b"+OK\r\n:2\r\n")
 
-    def send_later(data: bytes) -> threading.Thread:
-        def send() -> None:
-            time.sleep(0.2)
-            b.sendall(data)
-
-        t = threading.Thread(target=send)
-        t.start()
-        return t
-
-    # Nothing buffered: it waits for the first bytes, then takes the second candidate.
-    t = send_later(usual[1] + b":7\r\n")
+    # Nothing buffered: it waits for the first bytes (sent only once it waits), then
+    # takes the second candidate.
+    t = end.send_once_waiting(b, usual[1] + b":7\r\n")
     assert reader.take_expected(usual) == 1
     t.join()
     assert reader.read_reply() == 7
     # The start of a candidate, cut mid-reply: it waits for the rest.
     b.sendall(b"+OK\r\n:")
     reader._fill()
-    t = send_later(b"0\r\n")
+    t = end.send_once_waiting(b, b"0\r\n")
     assert reader.take_expected(usual) == 0
     t.join()
-    # A reply of another form, buffered whole: nothing consumed, no wait.
+    # A reply of another form, buffered whole: nothing consumed, no wait (the socket
+    # does not block: a receive with nothing there would raise).
     b.sendall(b"-ERR no\r\n")
     reader._fill()
-    t0 = time.monotonic()
+    a.setblocking(False)
     assert reader.take_expected(usual) is None
-    assert time.monotonic() - t0 < 1
+    a.settimeout(10)
     assert isinstance(reader.read_reply(), resp.ErrorReply)
     # Begins like a candidate, turns out another (":5"): nothing consumed.
     b.sendall(b"+OK\r\n:5\r\n")
@@ -960,7 +1025,7 @@ def test_stores_over_values_of_another_split_read_every_reply(redis_url: str) ->
     size = sum(PARTS)
     d = make_plane(redis_url, max_inflight_bytes=4 * size, transfer_connections=1)
     try:
-        keys = keys_for(9, "resplit")
+        keys = block_keys(9, "resplit")
         src = payloads(9, size, seed=41)
         items = list(zip(keys, src, strict=True))
         # Keys 0-2 hold a whole value, 3-5 a value in two parts, 6-8 nothing.
@@ -984,7 +1049,7 @@ def test_on_loaded_reports_valid_keys_a_window_at_a_time(redis_url: str) -> None
     read (one call per window here), never a missing or invalid one."""
     size = 8192
     plane = make_plane(redis_url, max_inflight_bytes=4 * size, transfer_connections=1)
-    keys = keys_for(12, "ol")
+    keys = block_keys(12, "ol")
     data = payloads(12, size, seed=5)
     assert plane.store(list(zip(keys, data, strict=True)), FP) == [StoreStatus.STORED] * 12
     r = redis.Redis.from_url(redis_url)

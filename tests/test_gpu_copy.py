@@ -20,7 +20,11 @@ from umbp_redis.engine.staging import StagingPool
 
 pytestmark = pytest.mark.gpu
 
-SLEEP_CYCLES = 200_000_000  # ~0.1 s of one SM spinning at ~2 GHz
+# ~0.1 s of one SM spinning at ~2 GHz. The GPU sleeps below create a condition (a
+# stream still busy with earlier work); the tests then wait on the copies' handles.
+# One reads a gather's handle not done as its stream still spins: ~1 s of GPU time
+# against the microseconds of host work between its launch and that read.
+SLEEP_CYCLES = 200_000_000
 
 
 @pytest.fixture(scope="module")

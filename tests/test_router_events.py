@@ -76,9 +76,11 @@ def test_a_router_rebuilds_every_announced_block_and_tenants_never_share(
         base = run_engine(
             work, "base", tiny_model, None, [{"op": "generate", "name": "g", "prompts": DISTINCT}]
         )
+        # No waits between phases: the runner waits for each pass's stores to be
+        # reported and reads the events back through the publisher's replay (none is
+        # lost to a subscriber that joined late).
         phases: list[dict[str, Any]] = [
-            {"op": "sleep", "seconds": 1},  # the subscriber joins before anything is sent
-            {"op": "generate", "name": "plain", "prompts": DISTINCT, "settle_s": 2.0},
+            {"op": "generate", "name": "plain", "prompts": DISTINCT},
             {"op": "generate", "name": "salt_a", "prompts": DISTINCT, "cache_salt": "tenant-a"},
             {"op": "generate", "name": "carry", "prompts": DISTINCT[:1]},  # last reports
             {"op": "kv_events", "name": "events"},
@@ -131,8 +133,7 @@ def test_a_router_rebuilds_every_announced_block_and_tenants_never_share(
 def test_a_router_rebuilds_the_blocks_of_a_hybrid_model(work: Path, hybrid_model: Path) -> None:
     with EmbeddedRedis() as srv:
         phases: list[dict[str, Any]] = [
-            {"op": "sleep", "seconds": 1},
-            {"op": "generate", "name": "g", "prompts": DISTINCT, "settle_s": 2.0},
+            {"op": "generate", "name": "g", "prompts": DISTINCT},
             {"op": "generate", "name": "carry", "prompts": DISTINCT[:1]},
             {"op": "kv_events", "name": "events"},
         ]
