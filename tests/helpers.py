@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from vllm.config import KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+from waiting import wait_until
 
 from umbp_redis.ops.tiny_model import sample_prompts
 from umbp_redis.store.deployment import open_plane
@@ -164,20 +164,19 @@ def wait_until_server_is_asleep(url: str, timeout_s: float = 5.0) -> None:
     """Return once the Redis server at ``url`` stops answering (another client's
     ``DEBUG SLEEP`` has begun): a PING on a fresh connection finds no reply in 0.2 s.
     Raises ``AssertionError`` if the server keeps answering for ``timeout_s``."""
-    import time
-
     import redis
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def asleep() -> bool:
         probe = redis.Redis.from_url(url, socket_timeout=0.2, socket_connect_timeout=1.0)
         try:
             probe.ping()
+            return False
         except redis.TimeoutError:
-            return
+            return True
         finally:
             probe.close()
-    raise AssertionError(f"the server at {url} kept answering for {timeout_s} s")
+
+    wait_until(asleep, timeout_s, what=f"the server at {url} to stop answering")
 
 
 def check_stored_markers(plane: Any, client: Any, ttl: int = 100) -> None:
@@ -316,11 +315,12 @@ def wait_for_events(
     if action is not None:
         action()
     got: list[Any] = []
-    deadline = time.monotonic() + timeout_s
-    while not done(got):
-        assert time.monotonic() < deadline, f"events so far: {got}"
-        got += feed.take()
-        time.sleep(0.01)  # polls a condition, with the deadline above
+
+    def taken_enough() -> bool:
+        got.extend(feed.take())
+        return bool(done(got))
+
+    wait_until(taken_enough, timeout_s, what=lambda: f"events (so far: {got})")
     return got
 
 

@@ -5,12 +5,12 @@ the KV events that carry them."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
 import redis
 from helpers import check_fleet_feed, wait_for_events
+from waiting import wait_until
 
 from umbp_redis.data import BlockIdentityCodec
 from umbp_redis.data.announcements import Announcement, announcement_key, parse_announcement
@@ -84,10 +84,8 @@ def test_the_stream_and_the_credits_stay_bounded(
     for b in blocks:
         client.set(CODEC.marker_key(b.block_hash, 0), b"1", ex=100)
     a.announce_stored(blocks)
-    deadline = time.monotonic() + 20
-    while a.announced < 1000:
-        assert time.monotonic() < deadline and a.failures == 0
-        time.sleep(0.01)  # polls a condition, with the deadline above
+    wait_until(lambda: a.announced >= 1000, 20, what=lambda: f"{a.announced} announced")
+    assert a.failures == 0
     # XADD MAXLEN ~ trims whole stream nodes: about the bound, never the whole history.
     assert client.xlen(announcement_key("fleet")) < 300
     # A's own credits beyond the bound were announced removed (the oldest first).
@@ -96,10 +94,7 @@ def test_the_stream_and_the_credits_stay_bounded(
     assert a.credits((blocks[-1].block_hash, 0)) and not a.credits((blocks[0].block_hash, 0))
     # A late engine credits at most the bound, too.
     late = make_feed(plane, "b")
-    deadline = time.monotonic() + 20
-    while not (late.caught_up and late.relayed >= 50):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)  # polls a condition, with the deadline above
+    wait_until(lambda: late.caught_up and late.relayed >= 50, 20, what="the late engine's backlog")
     assert len([k for k in blocks if late.credits((k.block_hash, 0))]) == 50
     # Its backlog goes out a step's share at a time.
     assert len(late.take()) == 3 and len(late.take()) == 3
@@ -145,10 +140,7 @@ def test_with_redis_away_nothing_is_announced_and_nothing_waits(own_redis) -> No
     own_redis.stop()
     f.announce_stored([block(i) for i in range(10)])  # queues only: no I/O here
     f.announce_removed([block(0).block_hash], [0])
-    deadline = time.monotonic() + 20
-    while f.failures < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)  # polls a condition, with the deadline above
+    wait_until(lambda: f.failures >= 3, 20, what="three failed round trips")
     assert f.announced == 0 and f.relayed == 0
     # Nothing from other engines and no removal of the blocks it could not check.
     assert f.take() == []
@@ -173,10 +165,7 @@ def test_stored_events_carry_the_tier_and_go_to_the_fleet(redis_url: str) -> Non
     assert [(e.ownership, e.medium, e.locality) for e in own] == [
         ("umbp-redis", "REDIS", "REMOTE")
     ] * 3
-    deadline = time.monotonic() + 20
-    while feed.announced < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)  # polls a condition, with the deadline above
+    wait_until(lambda: feed.announced >= 3, 20, what="three announcements")
     entries: Any = client.xrange(announcement_key("fleet"))
     anns = [parse_announcement([x for kv in e[1].items() for x in kv]) for e in entries]
     assert [a.block_hash if a else None for a in anns] == [b.block_hash for b in blocks]
@@ -206,7 +195,6 @@ def test_a_credit_taken_again_during_a_check_is_kept(redis_url: str) -> None:
 
     def exists_then_restored(blocks):  # type: ignore[no-untyped-def]
         out = real(blocks)  # no marker: reads 0
-        time.sleep(0.001)
         f.announce_stored([b])  # stored again while the check ran
         again.set()
         return out

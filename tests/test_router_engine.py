@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 from helpers import skip_without_vllm_router
+from waiting import wait_until
 
 from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.ops.fleet_engines import EngineSpec, start_engines, stop_engines
@@ -110,17 +110,19 @@ def test_a_block_stored_by_one_engine_is_credited_to_the_other_and_routed_there(
         # B serves other small requests until its events carry them.
         decoder = msgspec.msgpack.Decoder(KVEventBatch)
         relayed: list[Any] = []
-        deadline = time.monotonic() + 60
-        while len(relayed) < PREFIX_BLOCKS:
-            assert time.monotonic() < deadline, f"B announced only {relayed}"
+
+        def relayed_all() -> bool:
             _complete(b.base_url, model, [rnd.randrange(3, 500) for _ in range(8)], 1)
             while sub.poll(200):
                 batch = decoder.decode(sub.recv_multipart()[-1])
-                relayed += [
+                relayed.extend(
                     e
                     for e in batch.events
                     if isinstance(e, BlockStored) and e.token_ids[0] in prefix
-                ]
+                )
+            return len(relayed) >= PREFIX_BLOCKS
+
+        wait_until(relayed_all, 60, what=lambda: f"A's blocks on B's events (so far {relayed})")
         assert [e.token_ids for e in relayed] == [
             prefix[i * BS : (i + 1) * BS] for i in range(PREFIX_BLOCKS)
         ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
 from vllm.config import ModelConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
+from waiting import wait_until
 
 from umbp_redis.data import (
     BlockIdentityCodec,
@@ -488,7 +488,6 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
     model_config: ModelConfig,
 ) -> None:
     import threading
-    import time
 
     gate = threading.Event()
 
@@ -505,9 +504,11 @@ def test_async_lookup_returns_none_until_done_and_discards_stale_answers(
     assert s.get_num_new_matched_tokens(req, 0) == (None, False)
     assert s.get_num_new_matched_tokens(req, 0) == (None, False)  # still running
     gate.set()
-    deadline = time.monotonic() + 5
-    while (res := s.get_num_new_matched_tokens(req, 0))[0] is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    res = wait_until(
+        lambda: (r := s.get_num_new_matched_tokens(req, 0))[0] is not None and r,
+        5,
+        what="the lookup's answer",
+    )
     assert res == (3 * BS, True)
     assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)  # repeatable
     # The request changed (a local prefix hit now): the old answer is not reused.
@@ -838,10 +839,10 @@ def test_kv_events_say_stored_once_every_worker_stored_and_removed_when_deleted(
     from umbp_redis.data.announcements import parse_announcement
 
     assert s.fleet is not None
-    deadline = time.monotonic() + 20
-    while s.fleet.announced < 7:  # 3 stored, 1 removed, 1 stored again, 2 salted
-        assert time.monotonic() < deadline and s.fleet.failures == 0
-        time.sleep(0.01)  # polls a condition, with the deadline above
+    fleet = s.fleet
+    # 3 stored, 1 removed, 1 stored again, 2 salted
+    wait_until(lambda: fleet.announced >= 7, 20, what="seven announcements")
+    assert fleet.failures == 0
     anns = [parse_announcement(cmd[6:]) for cmd in s.plane.stream]  # type: ignore[attr-defined]
     assert [(a.stored, a.block_hash) for a in anns if a is not None] == [
         (True, h) for h in req.block_hashes[:3]
