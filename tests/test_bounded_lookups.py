@@ -1,22 +1,25 @@
 """Lookups never wait longer than ``lookup_timeout_s``; auth problems are loud, not silent.
 
-Real redis-server processes, plus raw sockets for servers that never answer.
+Real redis-server processes (one frozen for as long as a test needs it silent), plus
+raw sockets for servers that never answer. A lookup bounded by ``lookup_timeout_s`` is
+proven so by returning at all while every other option it could wait on
+(``connect_timeout_s``, ``op_timeout_s``) is an hour: no call is timed. A lookup that
+hung instead would be stopped by pytest-timeout (or, frozen, by the freeze's watchdog).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import redis
-from fake_servers import FakeServer
-from helpers import check_stored_markers, documented_acl, wait_until_server_is_asleep
+from fake_servers import FakeServer, FrozenServer
+from helpers import check_stored_markers, documented_acl
 from keys import block_keys
+from waiting import wait_until
 
 from umbp_redis.data import BlockIdentityCodec
 from umbp_redis.ops.embedded_redis import EmbeddedRedis
@@ -27,8 +30,8 @@ from umbp_redis.store.settings import RedisSettings
 
 FP = b"\x05" * 16
 TIMEOUT = 0.25
-# Scheduling noise on a loaded 2-core machine; the bug this guards against cost seconds.
-MARGIN = 0.2
+# What a lookup must not depend on: far beyond anything a test waits for.
+HOUR = 3600.0
 NS = "bl"
 
 
@@ -36,13 +39,26 @@ def make_plane(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def
     return RedisDataPlane(RedisSettings.from_url(url, lookup_timeout_s=TIMEOUT, **kw))
 
 
-def timed_lookups(plane: RedisDataPlane, n: int = 8) -> list[float]:
-    out = []
+def unbounded_but_for_lookups(url: str, **kw) -> RedisDataPlane:  # type: ignore[no-untyped-def]
+    """A plane whose connects and operations may take an hour: a lookup that returns
+    was ended by ``lookup_timeout_s``."""
+    return make_plane(url, connect_timeout_s=HOUR, op_timeout_s=HOUR, **kw)
+
+
+def warmed(plane: RedisDataPlane) -> RedisDataPlane:
+    """``plane`` once its lookup connection is made (off the caller's thread: on a
+    loaded machine a new plane's first lookup can read as unknown)."""
+    plane.warm_up()
+    wait_until(lambda: plane.lookup_conn.connects, what="the lookup connection")
+    return plane
+
+
+def unanswered_lookups(plane: RedisDataPlane, n: int = 8) -> None:
+    """``n`` lookups that each end as unknown (None) and count as timeouts."""
+    before = plane.stats.snapshot()["lookup_timeouts"]
     for _ in range(n):
-        t0 = time.monotonic()
         assert plane.lookup(block_keys(50, namespace=NS)) is None
-        out.append(time.monotonic() - t0)
-    return out
+    assert plane.stats.snapshot()["lookup_timeouts"] - before == n
 
 
 @pytest.fixture
@@ -53,17 +69,31 @@ def silent() -> Iterator[FakeServer]:
 
 
 def test_a_server_that_accepts_and_never_replies(silent: FakeServer) -> None:
-    plane = make_plane(
-        f"redis://127.0.0.1:{silent.port}/0", op_timeout_s=5.0, connect_timeout_s=5.0
-    )
-    times = timed_lookups(plane)
-    assert max(times) < TIMEOUT + MARGIN, times
+    # The lookup connection's handshake is never answered: every lookup waits for it
+    # until its own timeout, never for connect_timeout_s or op_timeout_s.
+    plane = unbounded_but_for_lookups(f"redis://127.0.0.1:{silent.port}/0")
+    unanswered_lookups(plane)
+    assert plane.lookup_conn.connects == 0  # the handshake is still pending
+    assert plane.lookup_conn.health.healthy  # waiting is not failing: no fail-fast window
     plane.close()
+
+
+def _connects_hang(port: int) -> bool:
+    """Whether a connect to ``port`` is left unanswered (its SYN dropped)."""
+    probe = socket.socket()
+    probe.settimeout(0.3)  # a probe's patience, not a bound on the code under test
+    try:
+        probe.connect(("127.0.0.1", port))
+    except OSError:
+        return True
+    finally:
+        probe.close()
+    return False
 
 
 def test_an_address_that_drops_syns() -> None:
     # A listener that never accepts, its backlog filled: the kernel drops further SYNs
-    # and a connect hangs until its own timeout.
+    # and a connect hangs until its own timeout (an hour here).
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
     lst.listen(0)
@@ -74,59 +104,37 @@ def test_an_address_that_drops_syns() -> None:
         s.setblocking(False)
         s.connect_ex(("127.0.0.1", port))
         fillers.append(s)
-    deadline = time.monotonic() + 5
-    while True:  # the setup works once a connect hangs (the fillers filled the backlog)
-        probe = socket.socket()
-        probe.settimeout(0.3)
-        try:
-            probe.connect(("127.0.0.1", port))
-        except OSError:
-            break
-        finally:
-            probe.close()
-        assert time.monotonic() < deadline, "connects to a full backlog did not hang"
-    plane = make_plane(f"redis://127.0.0.1:{port}/0", connect_timeout_s=5.0)
-    times = timed_lookups(plane)
-    assert max(times) < TIMEOUT + MARGIN, times
+    # The setup works once a connect hangs (the fillers filled the backlog).
+    wait_until(lambda: _connects_hang(port), 5, what="connects to a full backlog to hang")
+    plane = unbounded_but_for_lookups(f"redis://127.0.0.1:{port}/0")
+    unanswered_lookups(plane)
+    assert plane.lookup_conn.connects == 0  # the connect is still pending
+    assert plane.lookup_conn.health.healthy
     plane.close()
     for s in [*fillers, lst]:
         s.close()
 
 
-def test_debug_sleep_bounds_lookups_and_opens_no_fail_fast_window(
+def test_a_frozen_server_bounds_lookups_and_opens_no_fail_fast_window(
     own_redis: EmbeddedRedis,
 ) -> None:
-    r = redis.Redis.from_url(own_redis.url)
-    r.config_set("enable-debug-command", "yes") if _debug_needs_enabling(r) else None
-    plane = make_plane(own_redis.url, fail_fast_s=5.0)
+    # A fail-fast window would last an hour: any opened would fail every later call.
+    plane = warmed(unbounded_but_for_lookups(own_redis.url, fail_fast_s=HOUR))
     k = block_keys(1, "s", NS)[0]
     assert plane.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
     assert plane.lookup([k]) == [True]  # the warm connection is up
-    sleeper = threading.Thread(
-        target=lambda: redis.Redis.from_url(own_redis.url).execute_command("DEBUG", "SLEEP", "1.2")
-    )
-    sleeper.start()
-    wait_until_server_is_asleep(own_redis.url)
-    times = timed_lookups(plane, n=3)
-    assert max(times) < TIMEOUT + MARGIN, times
-    sleeper.join()
-    # A slow reply is not a dead server: no 5 s fail-fast window for either kind of call.
+    with FrozenServer(own_redis) as frozen:
+        # On the warm connection, then waiting for the new one (its handshake unanswered).
+        unanswered_lookups(plane, n=3)
+        assert frozen.still_frozen  # ended by lookup_timeout_s: nothing was answered
+    # A slow reply is not a dead server: no fail-fast window for either kind of call.
     assert plane.lookup_conn.health.healthy and plane.pool.healthy
-    deadline = time.monotonic() + 1.0
-    while plane.lookup([k]) != [True]:  # the lookup connection is re-made in the background
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # The lookup connection is re-made in the background.
+    wait_until(lambda: plane.lookup([k]) == [True], what="a lookup answered again")
     dst = np.zeros(64, dtype=np.uint8)
     assert plane.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
-    assert plane.stats.snapshot()["lookup_timeouts"] >= 3
+    assert np.array_equal(dst, np.ones(64, dtype=np.uint8))
     plane.close()
-
-
-def _debug_needs_enabling(r: redis.Redis) -> bool:
-    try:
-        return r.config_get("enable-debug-command").get("enable-debug-command") == "no"
-    except redis.ResponseError:
-        return False
 
 
 def test_lookups_and_stores_keep_separate_health(own_redis: EmbeddedRedis) -> None:
@@ -185,7 +193,8 @@ def test_auth_failures_are_logged_once_at_error_and_counted(
     caplog.set_level(logging.DEBUG)
     for _ in range(4):
         assert plane.lookup(block_keys(3, namespace=NS)) is None
-        time.sleep(0.06)
+        # Past the fail-fast window the next lookup tries (and is refused) again.
+        wait_until(lambda: plane.lookup_conn.health.healthy, what="the fail-fast window to close")
     dst = np.zeros(8, dtype=np.uint8)
     assert plane.load([(block_keys(1, namespace=NS)[0], dst.data)], FP) in (
         [LoadStatus.ERROR],
@@ -206,7 +215,7 @@ def test_auth_failures_are_logged_once_at_error_and_counted(
 
 def test_client_setname_is_best_effort(secured: EmbeddedRedis) -> None:
     url = f"redis://lean:lean-pass@127.0.0.1:{secured.port}/0"
-    plane = make_plane(url)
+    plane = warmed(make_plane(url))
     k = block_keys(1, "lean", NS)[0]
     assert plane.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
     assert plane.lookup([k]) == [True]
