@@ -160,25 +160,6 @@ def full_blocks(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BLOCK
 
 
-def wait_until_server_is_asleep(url: str, timeout_s: float = 5.0) -> None:
-    """Return once the Redis server at ``url`` stops answering (another client's
-    ``DEBUG SLEEP`` has begun): a PING on a fresh connection finds no reply in 0.2 s.
-    Raises ``AssertionError`` if the server keeps answering for ``timeout_s``."""
-    import redis
-
-    def asleep() -> bool:
-        probe = redis.Redis.from_url(url, socket_timeout=0.2, socket_connect_timeout=1.0)
-        try:
-            probe.ping()
-            return False
-        except redis.TimeoutError:
-            return True
-        finally:
-            probe.close()
-
-    wait_until(asleep, timeout_s, what=f"the server at {url} to stop answering")
-
-
 def check_stored_markers(plane: Any, client: Any, ttl: int = 100) -> None:
     """The stored-marker job against a real data plane (``client``: a redis-py client of
     the same server or cluster): markers written once both ranks reported, not for a
