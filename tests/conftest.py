@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,3 +114,29 @@ def hybrid_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     cfg["sliding_window"] = 256
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+# Where the suite's time goes: seconds per test file (setup, call and teardown) and the
+# engine starts of each, printed at the end of every run.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    import helpers
+
+    if not _FILE_SECONDS:
+        return
+    starts: dict[str, list[float]] = {}
+    for path, seconds in helpers.ENGINE_STARTS:
+        starts.setdefault(path, []).append(seconds)
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        runs = starts.get(path, [])
+        engines = f"  ({len(runs)} engine runs, {sum(runs):.0f} s)" if runs else ""
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}{engines}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  in all")

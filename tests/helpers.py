@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,9 @@ def connector(url: str, *, module_path: bool = True, **extra: Any) -> dict[str, 
     }
 
 
+# Each engine run of this session: the test file that asked for it, and its seconds.
+ENGINE_STARTS: list[tuple[str, float]] = []
+
 # Results of engines without the connector, by their spec: one engine start for the
 # same plain run asked by several test modules.
 _PLAIN_RUNS: dict[str, dict[str, Any]] = {}
@@ -135,6 +139,7 @@ def run_engine(
     out = tmp / f"{name}.json"
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps({**full, "out": str(out)}))
+    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(RUNNER), str(spec_path)],
         capture_output=True,
@@ -142,6 +147,8 @@ def run_engine(
         timeout=600,
         env={**os.environ, **(env or {})},
     )
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::", 1)[0]
+    ENGINE_STARTS.append((test, time.monotonic() - started))
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
