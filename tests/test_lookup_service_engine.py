@@ -99,7 +99,14 @@ def test_the_answer_is_what_a_fresh_engine_takes_from_redis(
         )
         assert stored["plain"]["outputs"]
         warm = _answers(url, tiny_model, deployment == "cluster")
-        consumer = {**connector(url), "kv_role": "kv_consumer"}  # stores nothing
+        # It stores nothing, and loads every hit whole: this test compares the service's
+        # answer with what the engine loads, so neither a declined hit (the tiny model
+        # computes a block about as fast as it loads) nor a sync load's deadline on a busy
+        # machine may turn a hit into a recompute (both are tested on their own).
+        consumer = {
+            **connector(url, decline_slow_loads=False, load_async=True),
+            "kv_role": "kv_consumer",
+        }
         served = _served(
             run_engine(work, f"{deployment}_fresh", tiny_model, consumer, _fresh_engine_phases())
         )
