@@ -513,6 +513,56 @@ async def _warm_up(engines: Sequence[RunningEngine], model: str, vocab: int) -> 
             await _stream_completion(session, e.base_url, model, prompt, 2)
 
 
+# The connector's counters of stores: a store is counted in the engine step after it
+# lands, so they are read again once the last stores have landed and every engine stepped.
+STORE_COUNTERS = (
+    "vllm:umbp_blocks_stored_total",
+    "vllm:umbp_bytes_stored_total",
+    "vllm:umbp_store_failures_total",
+    "vllm:umbp_stores_dropped_total",
+)
+
+
+async def _step_engines(engines: Sequence[RunningEngine], model: str, vocab: int) -> None:
+    """One request per engine shorter than a block (nothing to look up or store), so
+    that each engine steps and its workers report the stores finished since."""
+    import random
+
+    import aiohttp
+
+    rng = random.Random(7)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        for e in engines:
+            prompt = [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(16)]
+            await _stream_completion(session, e.base_url, model, prompt, 1)
+
+
+def _settled_store_counters(
+    engines: Sequence[RunningEngine],
+    before: list[dict[str, float]],
+    r: Any,
+    model: str,
+    vocab: int,
+    rounds: int = 10,
+) -> dict[str, float]:
+    """The store counters' growth since ``before`` once the stores issued so far have
+    landed in Redis and been reported: the engines are stepped until the stored-blocks
+    count stays the same over two steps of every engine (``rounds`` at most)."""
+    _wait_until_redis_settles(r)
+    last: float | None = None
+    for _ in range(rounds):
+        asyncio.run(_step_engines(engines, model, vocab))
+        now = [e.metrics() for e in engines]
+        stored = sum(m.get(STORE_COUNTERS[0], 0.0) for m in now)
+        if stored == last:
+            break
+        last = stored
+    return {
+        n: sum(m.get(n, 0.0) - b.get(n, 0.0) for m, b in zip(now, before, strict=True))
+        for n in STORE_COUNTERS
+    }
+
+
 def _counter_delta(
     engines: Sequence[RunningEngine], before: list[dict[str, float]]
 ) -> dict[str, float]:
@@ -734,6 +784,10 @@ def run_config(
             out.hits_from_counters = True
         out.wall_s = time.perf_counter() - t0 - out.join_wait_s
         out.counters = _counter_delta(engines, before)
+        if config.connector:
+            out.counters.update(
+                _settled_store_counters(engines, before, r, plan.model, plan.shape.vocab_size)
+            )
         for e, b in zip(engines, cpu_before, strict=True):
             for name, now in e.cpu_seconds().items():
                 out.engine_cpu_s[name] = out.engine_cpu_s.get(name, 0.0) + now - b.get(name, 0.0)
