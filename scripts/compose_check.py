@@ -252,7 +252,7 @@ def redis_cli(up: list[str], env: dict[str, str], *args: str) -> str:
 
 def server_version(up: list[str], env: dict[str, str]) -> str:
     """``Valkey 8.0.1`` or ``Redis 7.0.15``: what the stack's server says it is."""
-    from umbp_redis.ops.admin import server_name
+    from umbp_redis.store.redispy import server_name
 
     info = redis_cli(up, env, "info", "server")
     fields = dict(ln.strip().split(":", 1) for ln in info.splitlines() if ":" in ln)
@@ -606,7 +606,7 @@ def main() -> int:
                 capture=True,
             )
         with step("tiny model"):
-            from umbp_redis.ops.tiny_model import build_tiny_llama
+            from umbp_redis.testing.tiny_model import build_tiny_llama
 
             models = ROOT / ".umbp-test-cache" / "compose-models"
             build_tiny_llama(models / "tiny-llama")

@@ -63,12 +63,12 @@ TAIL = """
   previous half is read, and every send holds at least one object, so objects of half
   the window or more move one at a time, two in flight. 1 MiB (the default) against
   4 MiB: 64 KiB store/load 1.97/2.92 against 1.10/1.56 GB/s, 512 KiB 4.46/5.25 against
-  3.46/3.04 (`benchmarks/small_objects_bench.py`); the same for 2 MiB objects (one a
+  3.46/3.04 (`umbp_redis/bench/small_objects.py`); the same for 2 MiB objects (one a
   send either way).
 - `transfer_connections` spreads one batch over connections. `auto` takes 1 below 4 CPUs:
   on this project's 2-core machine an engine loading by layer on one connection loaded
   at 1.36-1.38 GB/s against 1.08-1.27 on two, and its forward passes waited 2.8-2.9
-  against 4.7-5.3 ms a load for their layers (`benchmarks/warm_ttft_bench.py --compare
+  against 4.7-5.3 ms a load for their layers (`umbp_redis/bench/warm_ttft.py --compare
   two-connections`, [performance](performance.md)); machines of 4 CPUs or more keep 2.
 - `lookup_timeout_s` bounds the scheduler's wait per request: past it the blocks are misses.
   `lookup_async` takes even that wait off the scheduler thread.

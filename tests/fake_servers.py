@@ -13,7 +13,7 @@ from types import TracebackType
 
 from waiting import wait_until
 
-from umbp_redis.ops.embedded_redis import EmbeddedRedis
+from umbp_redis.testing.embedded_redis import EmbeddedRedis
 
 Reply = Callable[[bytes], bytes | None]
 

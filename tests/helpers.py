@@ -15,10 +15,10 @@ import numpy as np
 from vllm.config import KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 from waiting import wait_until
 
-from umbp_redis.ops.tiny_model import sample_prompts
 from umbp_redis.store.deployment import open_plane
 from umbp_redis.store.plane import StoreStatus
 from umbp_redis.store.settings import RedisSettings
+from umbp_redis.testing.tiny_model import sample_prompts
 
 # The layout fingerprint of the values ``fill`` stores.
 FP = b"\x11" * 16
@@ -48,7 +48,7 @@ def ktc(cfg: VllmConfig) -> KVTransferConfig:
 
 def cli(*args: str, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "umbp_redis.ops.cli", *args],
+        [sys.executable, "-m", "umbp_redis.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -317,7 +317,7 @@ def skip_without_vllm_router() -> None:
     installed (the ``router`` extra)."""
     import pytest
 
-    from umbp_redis.ops.vllm_router import RouterMissingError, find_router_binary
+    from umbp_redis.bench.vllm_router import RouterMissingError, find_router_binary
 
     try:
         find_router_binary()

@@ -30,7 +30,7 @@ def run_bench_fleet(model: Path, work: Path, *args: str) -> dict:  # type: ignor
         [
             sys.executable,
             "-m",
-            "umbp_redis.ops.cli",
+            "umbp_redis.cli",
             "bench",
             "fleet",
             "--model",

@@ -22,11 +22,11 @@ from keys import block_keys
 from waiting import wait_until
 
 from umbp_redis.data import BlockIdentityCodec
-from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.store import resp
 from umbp_redis.store.deployment import open_plane
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
 from umbp_redis.store.settings import RedisSettings
+from umbp_redis.testing.embedded_redis import EmbeddedRedis
 
 FP = b"\x05" * 16
 TIMEOUT = 0.25

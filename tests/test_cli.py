@@ -15,8 +15,8 @@ from typed_redis import raw
 from umbp_redis.data import KEY_PREFIX, BlockIdentityCodec, namespace_pattern, parse_key
 from umbp_redis.data.announcements import announcement_key
 from umbp_redis.data.keys import OLD_KEY_PREFIXES
-from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.store.settings import RedisSettings
+from umbp_redis.testing.embedded_redis import EmbeddedRedis, free_port
 
 
 def test_version_and_help() -> None:
@@ -178,7 +178,7 @@ def test_cli_reads_urls_as_the_connector_does(monkeypatch: pytest.MonkeyPatch) -
         # The password from the environment, the server from $UMBP_REDIS_URL.
         env = {"UMBP_REDIS_URL": f"redis://127.0.0.1:{srv.port}/0", "UMBP_REDIS_PASSWORD": "s3cret"}
         out = subprocess.run(
-            [sys.executable, "-m", "umbp_redis.ops.cli", "doctor", "--json"],
+            [sys.executable, "-m", "umbp_redis.cli", "doctor", "--json"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -216,7 +216,7 @@ def test_url_from_environment(redis_url: str, verb: str, monkeypatch: pytest.Mon
 
     env = {**os.environ, "UMBP_REDIS_URL": redis_url}
     out = subprocess.run(
-        [sys.executable, "-m", "umbp_redis.ops.cli", verb, "--json"],
+        [sys.executable, "-m", "umbp_redis.cli", verb, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -235,7 +235,7 @@ def test_bench_touches_only_its_own_keys(redis_url: str) -> None:
     args = ["bench", "dataplane", "--sizes", "65536", "--total-mib", "2", "--repeats", "1"]
     # $UMBP_REDIS_URL is not a target: without --redis-url a private server is used.
     out = subprocess.run(
-        [sys.executable, "-m", "umbp_redis.ops.cli", *args, "--json"],
+        [sys.executable, "-m", "umbp_redis.cli", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -23,8 +23,6 @@ from typed_redis import raw
 from waiting import wait_until
 
 from umbp_redis.data import BlockIdentityCodec, RankTopology, UMBPNamespace
-from umbp_redis.ops.embedded_cluster import EmbeddedCluster
-from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.store.cluster import ClusterDataPlane
 from umbp_redis.store.commands import ClusterLookupEncoder
 from umbp_redis.store.deployment import PendingPlane, open_plane
@@ -32,6 +30,8 @@ from umbp_redis.store.errors import ConfigError
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.slots import SLOTS, key_slot, parse_cluster_shards, parse_cluster_slots
+from umbp_redis.testing.embedded_cluster import EmbeddedCluster
+from umbp_redis.testing.embedded_redis import EmbeddedRedis, free_port
 
 FP = b"\x05" * 16
 SIZE = 4096

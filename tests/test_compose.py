@@ -139,8 +139,8 @@ def test_cluster_compose_runs_six_cache_nodes_and_engines_that_use_them() -> Non
 
 def test_cluster_compose_node_settings_form_a_working_cluster() -> None:
     """The nodes' own arguments (config file, node timeout, coverage, LRU) on loopback."""
-    from umbp_redis.ops.embedded_cluster import form_cluster, free_cluster_port
-    from umbp_redis.ops.embedded_redis import EmbeddedRedis
+    from umbp_redis.testing.embedded_cluster import form_cluster, free_cluster_port
+    from umbp_redis.testing.embedded_redis import EmbeddedRedis
 
     args = _node_args(cluster_compose()["services"]["redis-node-1"])
     taken: set[int] = set()

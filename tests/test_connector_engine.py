@@ -18,9 +18,9 @@ from helpers import BLOCK, PROMPTS, cli, connector, full_blocks, run_engine, tok
 from typed_redis import raw
 
 from umbp_redis.data import BlockIdentityCodec, namespace_pattern, parse_key, value_pattern
-from umbp_redis.ops.embedded_cluster import EmbeddedCluster
-from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
-from umbp_redis.ops.tiny_model import sample_prompts
+from umbp_redis.testing.embedded_cluster import EmbeddedCluster
+from umbp_redis.testing.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.testing.tiny_model import sample_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -674,7 +674,7 @@ def wide_model() -> Path:
     layers are stored in 2 parts and sync loads run by layer."""
     from conftest import CACHE
 
-    from umbp_redis.ops.tiny_model import TinyModelSpec, build_tiny_llama
+    from umbp_redis.testing.tiny_model import TinyModelSpec, build_tiny_llama
 
     spec = TinyModelSpec(hidden_size=512, num_attention_heads=8, num_kv_heads=8)
     return build_tiny_llama(CACHE / "tiny-llama-wide", spec)

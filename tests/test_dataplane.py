@@ -20,13 +20,13 @@ from typed_redis import raw
 from waiting import wait_until
 
 from umbp_redis.data import parse_key
-from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
 from umbp_redis.store import plane as dataplane
 from umbp_redis.store import resp
 from umbp_redis.store.errors import RedisLoadingError, RedisUnavailableError
 from umbp_redis.store.plane import LoadStatus, RedisDataPlane, StoreStatus, _transaction_status
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.value_format import HEADER, HEADER_SIZE, MAGIC, body_length, key_digest
+from umbp_redis.testing.embedded_redis import EmbeddedRedis, free_port
 
 FP = b"\x07" * 16
 

@@ -21,7 +21,7 @@ def test_demo_runs_cold_then_warm(real_model: Path) -> None:
         [
             sys.executable,
             "-m",
-            "umbp_redis.ops.cli",
+            "umbp_redis.cli",
             "demo",
             "--prompts",
             "2",
@@ -58,7 +58,7 @@ def test_demo_runs_cold_then_warm(real_model: Path) -> None:
 
 def test_blocks_only_demo() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "umbp_redis.ops.cli", "demo", "--blocks-only"],
+        [sys.executable, "-m", "umbp_redis.cli", "demo", "--blocks-only"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from umbp_redis.ops.bench_fleet import (
+from umbp_redis.bench.fleet import (
     ConfigRun,
     RequestRecord,
     Routing,
@@ -23,9 +23,9 @@ from umbp_redis.ops.bench_fleet import (
     summarize,
     workload_title,
 )
-from umbp_redis.ops.fleet_engines import EngineSpec, parse_prometheus
-from umbp_redis.ops.fleet_vllm_client import client_arguments, requests_of
-from umbp_redis.ops.fleet_workload import (
+from umbp_redis.bench.fleet_engines import EngineSpec, parse_prometheus
+from umbp_redis.bench.fleet_vllm_client import client_arguments, requests_of
+from umbp_redis.bench.fleet_workload import (
     ROUTINGS,
     ConversationScript,
     ConversationShape,
@@ -37,7 +37,7 @@ from umbp_redis.ops.fleet_workload import (
     share_of_ideal_gain,
     vllm_router_policy,
 )
-from umbp_redis.ops.vllm_router import (
+from umbp_redis.bench.vllm_router import (
     RouterMissingError,
     RouterWorker,
     find_router_binary,

@@ -1,13 +1,13 @@
 """Load only what beats computing: real vLLM engines (CPU, the tiny model) against one
 real redis-server reached over a fast way (a unix socket) and a slow one (TCP over a
-rate-limited veth link, ``umbp_redis.ops.slow_link``).
+rate-limited veth link, ``umbp_redis.testing.slow_link``).
 
 * Over the fast way a fresh engine loads its hits and declines none.
 * Over the slow link a fresh engine loads its first hits (nothing learned yet), then
   declines them: they are computed, with the same tokens as an engine without the
   connector.
 
-How much time that saves is a benchmark's business (``benchmarks/warm_ttft_bench.py
+How much time that saves is a benchmark's business (``umbp_redis/bench/warm_ttft.py
 --link-mbit``, docs/performance.md), not a test's.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from helpers import PROMPTS, connector, run_engine, tokens
 
-from umbp_redis.ops.slow_link import NetworkSetupError, SlowLinkRedis, slow_link_redis
-from umbp_redis.ops.tiny_model import sample_prompts
+from umbp_redis.testing.slow_link import NetworkSetupError, SlowLinkRedis, slow_link_redis
+from umbp_redis.testing.tiny_model import sample_prompts
 
 pytestmark = pytest.mark.vllm
 

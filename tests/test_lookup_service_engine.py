@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from helpers import connector, run_engine
 
-from umbp_redis.ops.embedded_cluster import EmbeddedCluster
-from umbp_redis.ops.embedded_redis import EmbeddedRedis
-from umbp_redis.ops.prefix_lookup import CacheLookup, UnknownModel
-from umbp_redis.ops.tiny_model import sample_prompts
+from umbp_redis.router.prefix_lookup import CacheLookup, UnknownModel
+from umbp_redis.testing.embedded_cluster import EmbeddedCluster
+from umbp_redis.testing.embedded_redis import EmbeddedRedis
+from umbp_redis.testing.tiny_model import sample_prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -19,9 +19,8 @@ from helpers import cli
 from umbp_redis.data import BlockIdentityCodec, CacheGroupReach
 from umbp_redis.data.lookup_record import NamespaceRecord, record_key
 from umbp_redis.engine.namespace_advert import hashes_reproducible
-from umbp_redis.ops.embedded_redis import free_port
-from umbp_redis.ops.lookup_cli import make_server
-from umbp_redis.ops.prefix_lookup import (
+from umbp_redis.router.http_service import make_server
+from umbp_redis.router.prefix_lookup import (
     CacheLookup,
     CacheUnavailable,
     HashesNotReproducible,
@@ -29,6 +28,7 @@ from umbp_redis.ops.prefix_lookup import (
     UnknownModel,
 )
 from umbp_redis.store.settings import RedisSettings
+from umbp_redis.testing.embedded_redis import free_port
 
 BS = 16
 

@@ -1,5 +1,5 @@
 """A real model through the connector on its default options: SmolLM2-135M-Instruct
-(``umbp_redis.ops.real_model``, its own tokenizer and chat template), one vLLM CPU engine
+(``umbp_redis.testing.real_model``, its own tokenizer and chat template), one vLLM CPU engine
 and a private redis-server.
 
 * Cold, then warm from Redis (vLLM's local prefix cache reset): the same text, the same
@@ -22,8 +22,8 @@ import pytest
 from helpers import run_engine
 
 from umbp_redis.data.keys import namespace_pattern
-from umbp_redis.ops.embedded_redis import EmbeddedRedis
-from umbp_redis.ops.real_model import sample_documents
+from umbp_redis.testing.embedded_redis import EmbeddedRedis
+from umbp_redis.testing.real_model import sample_documents
 
 pytestmark = pytest.mark.vllm
 

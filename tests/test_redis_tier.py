@@ -33,9 +33,9 @@ from waiting import wait_until
 
 from umbp_redis.data.chunks import chunk_key, chunk_namespace
 from umbp_redis.engine.redis_tier import UMBPRedisTier
-from umbp_redis.ops.embedded_cluster import EmbeddedCluster
-from umbp_redis.ops.embedded_redis import free_port
 from umbp_redis.store.errors import ConfigError
+from umbp_redis.testing.embedded_cluster import EmbeddedCluster
+from umbp_redis.testing.embedded_redis import free_port
 
 CHUNKS, CHUNK_BYTES = 8, 3 * 4096
 # How long a test waits for the tier's threads: only a hang takes this long, even on a

@@ -17,9 +17,9 @@ import pytest
 from helpers import skip_without_vllm_router
 from waiting import wait_until
 
-from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
-from umbp_redis.ops.fleet_engines import EngineSpec, start_engines, stop_engines
-from umbp_redis.ops.vllm_router import RouterWorker, kv_events_config, start_vllm_router
+from umbp_redis.bench.fleet_engines import EngineSpec, start_engines, stop_engines
+from umbp_redis.bench.vllm_router import RouterWorker, kv_events_config, start_vllm_router
+from umbp_redis.testing.embedded_redis import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.vllm
 

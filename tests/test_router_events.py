@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from helpers import BLOCK, connector, run_engine, tokens
 
-from umbp_redis.ops.embedded_redis import EmbeddedRedis, free_port
-from umbp_redis.ops.tiny_model import sample_prompts
+from umbp_redis.testing.embedded_redis import EmbeddedRedis, free_port
+from umbp_redis.testing.tiny_model import sample_prompts
 
 pytestmark = pytest.mark.vllm
 

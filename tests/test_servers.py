@@ -16,8 +16,8 @@ import pytest
 import redis
 from helpers import cli
 
-from umbp_redis.ops.admin import server_name
-from umbp_redis.ops.embedded_redis import EmbeddedRedis
+from umbp_redis.store.redispy import server_name
+from umbp_redis.testing.embedded_redis import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parent.parent
 VALKEY = os.environ.get(

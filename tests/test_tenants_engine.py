@@ -17,8 +17,8 @@ import redis
 from helpers import connector, run_engine, tokens
 
 from umbp_redis.data import namespace_pattern
-from umbp_redis.ops.embedded_redis import EmbeddedRedis
-from umbp_redis.ops.tiny_model import sample_prompts
+from umbp_redis.testing.embedded_redis import EmbeddedRedis
+from umbp_redis.testing.tiny_model import sample_prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -28,11 +28,11 @@ from umbp_redis.data import (
 )
 from umbp_redis.engine.options import parse_connector_options
 from umbp_redis.engine.worker import UMBPWorker
-from umbp_redis.ops.embedded_cluster import EmbeddedCluster
-from umbp_redis.ops.embedded_redis import EmbeddedRedis
 from umbp_redis.store.cluster import ClusterDataPlane
 from umbp_redis.store.deployment import open_plane
 from umbp_redis.store.errors import ConfigError
+from umbp_redis.testing.embedded_cluster import EmbeddedCluster
+from umbp_redis.testing.embedded_redis import EmbeddedRedis
 
 NB = 16
 H1, H2, H3, H4 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32, b"\x04" * 32

@@ -6,7 +6,7 @@ while the engine runs): the model and tokenizer it serves, how it hashes blocks 
 size, hash block size, algorithm, a digest of the first block's parent hash) and how
 its cache groups make a hit. With it a router, the CLI or the HTTP lookup service
 computes a prompt's block hashes as the engine does and reads the stored markers in one
-round trip (``umbp_redis.ops.prefix_lookup``). Plain data: no I/O.
+round trip (``umbp_redis.router.prefix_lookup``). Plain data: no I/O.
 """
 
 from __future__ import annotations
