@@ -15,7 +15,6 @@ from umbp_redis.data import (
     RankTopology,
     RequestTracker,
     StoreEventResult,
-    TransferJobState,
     UMBPConnectorMetadata,
     UMBPConnectorWorkerMetadata,
     UMBPHandshakeMetadata,
@@ -23,8 +22,8 @@ from umbp_redis.data import (
 
 
 def test_load_spec() -> None:
-    spec = LoadSpec(local_tokens=128, external_tokens=384)
-    assert spec.tokens_to_load == 256
+    LoadSpec(local_tokens=128, external_tokens=384)
+    LoadSpec(local_tokens=384, external_tokens=384)
     with pytest.raises(ValueError):
         LoadSpec(local_tokens=256, external_tokens=128)
 
@@ -48,18 +47,6 @@ def test_replace_blocks_after_preemption() -> None:
     assert t.block_ids == ([7, 8, 9, 10],)
 
 
-def test_transfer_job_state_isolates_failures() -> None:
-    job = TransferJobState(1, ("a", "b", "c"))
-    assert not job.is_terminal
-    job.mark("a", True)
-    job.mark("b", False)
-    assert not job.is_terminal and job.failed_keys == {"b"} and job.done_keys == {"a"}
-    job.mark("c", True)
-    assert job.is_terminal and job.done_keys == {"a", "c"}
-    with pytest.raises(KeyError):
-        job.mark("zzz", True)
-
-
 def test_store_event_result_merge() -> None:
     a = StoreEventResult(5, 1, frozenset({"k1"}))
     b = StoreEventResult(5, 1, frozenset({"k2"}))
@@ -73,7 +60,7 @@ def test_batches_are_sequences_of_plans() -> None:
     batch = BlockLoadBatch("req", (b"\x01", b"\x02"), (10, 11), (0, 0), event_id=3)
     assert len(batch) == 2
     first = batch[0]
-    assert isinstance(first, BlockTransferPlan) and not first.lowered
+    assert isinstance(first, BlockTransferPlan) and first.ranges == ()
     assert (first.block_id, first.block_hash, first.request_id) == (10, b"\x01", "req")
     assert [p.block_id for p in batch] == [10, 11]
     assert [p.block_id for p in batch[1:]] == [11]

@@ -72,7 +72,6 @@ if TYPE_CHECKING:
     from umbp_redis.data.state import (
         RequestTracker,
         StoreEventResult,
-        TransferJobState,
     )
     from umbp_redis.data.topology import (
         RankTopology,
@@ -101,7 +100,6 @@ _WHERE = {
     "RequestTracker": "state",
     "StagingCopyPlan": "plans",
     "StoreEventResult": "state",
-    "TransferJobState": "state",
     "UMBPConnectorMetadata": "metadata",
     "UMBPConnectorWorkerMetadata": "metadata",
     "UMBPHandshakeMetadata": "metadata",
@@ -139,7 +137,6 @@ __all__ = [
     "RequestTracker",
     "StagingCopyPlan",
     "StoreEventResult",
-    "TransferJobState",
     "UMBPConnectorMetadata",
     "UMBPConnectorWorkerMetadata",
     "UMBPHandshakeMetadata",

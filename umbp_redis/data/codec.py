@@ -83,11 +83,6 @@ class BlockIdentityCodec:
         hx = bytes(block_hash).hex()
         return tuple(p + hx for p in self.key_prefixes(group_id))
 
-    def keys_per_object(self, topology: RankTopology, group_id: int) -> int:
-        """Number of rank keys that together hold one logical block."""
-        n = topology.num_rank_namespaces
-        return n // topology.tp_size if group_id in self.replicated_groups else n
-
     def stores(self, group_id: int) -> bool:
         """Whether this process writes its key of ``group_id`` (replicated: TP rank 0 only)."""
         return group_id not in self.replicated_groups or self.topology.tp_rank == 0

@@ -30,11 +30,6 @@ class BlockTransferPlan:
     layout_fingerprint: bytes = b""
     ranges: tuple[KVRange, ...] = ()
 
-    @property
-    def lowered(self) -> bool:
-        """Whether the physical ranges are present."""
-        return bool(self.ranges)
-
 
 @dataclass(frozen=True)
 class StagingCopyPlan:
@@ -151,8 +146,3 @@ class LoadSpec:
                 f"LoadSpec needs 0 <= local_tokens <= external_tokens, got "
                 f"{self.local_tokens} and {self.external_tokens}"
             )
-
-    @property
-    def tokens_to_load(self) -> int:
-        """Tokens the connector loads beyond the local prefix hit."""
-        return self.external_tokens - self.local_tokens

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,43 +41,6 @@ class RequestTracker:
     def replace_blocks(self, block_ids: Sequence[Sequence[int]]) -> None:
         """Replace stale pre-preemption tables with the resumed request's full tables."""
         self.block_ids = tuple(list(ids) for ids in block_ids)
-
-
-PENDING, DONE, FAILED = "pending", "done", "failed"
-
-
-@dataclass
-class TransferJobState:
-    """Per-key completion state of one job; one failed key does not fail its siblings."""
-
-    job_id: int
-    keys: tuple[str, ...]
-    status: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for k in self.keys:
-            self.status.setdefault(k, PENDING)
-
-    def mark(self, key: str, ok: bool) -> None:
-        """Record that ``key`` finished (``ok``) or failed; unknown keys are an error."""
-        if key not in self.status:
-            raise KeyError(f"key {key!r} is not part of job {self.job_id}")
-        self.status[key] = DONE if ok else FAILED
-
-    @property
-    def failed_keys(self) -> frozenset[str]:
-        """Keys that failed."""
-        return frozenset(k for k, s in self.status.items() if s == FAILED)
-
-    @property
-    def done_keys(self) -> frozenset[str]:
-        """Keys that finished."""
-        return frozenset(k for k, s in self.status.items() if s == DONE)
-
-    @property
-    def is_terminal(self) -> bool:
-        """Every key finished or failed."""
-        return all(s != PENDING for s in self.status.values())
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,6 @@ COUNTERS: tuple[Counter, ...] = (
 
 # The data plane's counters the worker carries into the stats, as deltas per interval.
 STORE_COUNTERS = tuple(c.name for c in COUNTERS if c.side == "store")
-CLUSTER_COUNTERS = tuple(n for n in STORE_COUNTERS if n.startswith("cluster_"))
 
 # Per-node counters travel in the stats data as "<prefix><host:port>".
 NODE_FAILURES_PREFIX = "node_failures@"
