@@ -10,8 +10,13 @@ from __future__ import annotations
 
 def register() -> None:
     """Register the connector name with vLLM's connector factory and the tier type with
-    its secondary tier factory (idempotent)."""
+    its secondary tier factory, and mask a Redis password of the connector's config in
+    vLLM's argument log line (idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from umbp_redis import log_redaction
+
+    log_redaction.install()
 
     if "UMBPRedisConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(
