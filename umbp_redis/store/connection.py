@@ -299,6 +299,22 @@ class Health:
             return False
 
 
+@contextmanager
+def _lease(conn: RedisConnection, deadline: float | None, health: Health) -> Iterator[None]:
+    """One exchange on ``conn``, its reader bound to ``deadline``. On any error ``conn``
+    is closed (its stream may hold half a reply), a connection-level failure opens
+    ``health``'s fail-fast window, and the error goes on."""
+    conn.reader.deadline = deadline
+    try:
+        yield
+    except BaseException as e:
+        conn.close()
+        if is_connection_failure(e):
+            health.note_failure(e)
+        raise
+    conn.reader.deadline = None
+
+
 class ConnectionPool:
     """At most ``max_connections`` connections per process; LIFO reuse; fail-fast window."""
 
@@ -363,18 +379,10 @@ class ConnectionPool:
                 self.connects += 1
                 self.health.note_success()
             conn.settimeout(self.settings.op_timeout_s if timeout is None else timeout)
-            conn.reader.deadline = deadline
-            try:
+            with _lease(conn, deadline, self.health):
                 yield conn
-            except BaseException as e:
-                conn.close()
-                if is_connection_failure(e):
-                    self.health.note_failure(e)
-                raise
-            else:
-                conn.reader.deadline = None
-                with self._lock:
-                    self._idle.append(conn)
+            with self._lock:
+                self._idle.append(conn)
         finally:
             self._slots.release()
 
@@ -464,19 +472,13 @@ class WarmConnection:
                         )
         ok = False
         try:
-            conn.reader.deadline = deadline
-            yield conn
+            with _lease(conn, deadline, self.health):
+                yield conn
             ok = True
-        except BaseException as e:
-            if is_connection_failure(e):
-                self.health.note_failure(e)
-            raise
         finally:
-            conn.reader.deadline = None
             with self._cv:
                 self._lent = False
-                if not ok:
-                    conn.close()
+                if not ok:  # the lease closed it
                     if self._ready is conn:
                         self._ready = None
                     self._kick()
