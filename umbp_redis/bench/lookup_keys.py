@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from umbp_redis.engine.options import parse_connector_options  # noqa: E402
 from umbp_redis.engine.scheduler import UMBPScheduler  # noqa: E402
-from umbp_redis.store.commands import lookup_commands  # noqa: E402
+from umbp_redis.store.commands import lookup_commands, ttl_argument  # noqa: E402
 from umbp_redis.store.plane import RedisDataPlane  # noqa: E402
 from umbp_redis.store.settings import RedisSettings  # noqa: E402
 from umbp_redis.testing.embedded_redis import EmbeddedRedis  # noqa: E402
@@ -125,7 +125,8 @@ def measure(
     assert s.markers.flush(30) and s.markers.stale == 0  # values refreshed, none gone
     buf = b"".join(s.requests["held"].lookup_cmds)
     t_floor = floor_ms(srv.port, buf, BLOCKS, runs)
-    per_rank = rank_keys_buffer(s, hashes, plane.ttl_arg, refresh)
+    ttl = ttl_argument(plane.settings.ttl_seconds)
+    per_rank = rank_keys_buffer(s, hashes, ttl, refresh)
     t_ranks = floor_ms(srv.port, per_rank, BLOCKS * (tp if refresh else 1), runs)
     s.shutdown()
     plane.close()

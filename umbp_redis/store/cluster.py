@@ -24,27 +24,29 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Unpack
 
 from umbp_redis.store.commands import (
     ClusterLookupEncoder,
     ClusterRequestCountEncoder,
     SlottedBlock,
     lookup_commands,
+    ttl_argument,
 )
 from umbp_redis.store.connection import RedisConnection
 from umbp_redis.store.errors import RedisDataPlaneError, RedisRedirectError, RedisTimeoutError
 from umbp_redis.store.plane import (
     DataPlaneStats,
-    LoadedCallback,
+    KeyedBuffers,
+    LoadOptions,
     LoadStatus,
-    PartCallback,
+    Outcome,
     RedisDataPlane,
+    StoreOptions,
     StoreStatus,
-    record_loads,
-    record_stores,
+    record_outcomes,
 )
-from umbp_redis.store.resp import Buffer, ErrorReply, encode_command, send_buffers
+from umbp_redis.store.resp import ErrorReply, encode_command, send_buffers
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.slots import (
     SLOTS,
@@ -58,7 +60,9 @@ from umbp_redis.store.slots import (
 from umbp_redis.store.thread_affinity import thread_pinner
 
 log = logging.getLogger(__name__)
-S = TypeVar("S", StoreStatus, LoadStatus)
+# What ``_route`` runs on one master: (its plane, its share of the items, whether to
+# send ``ASKING`` first, the share's indices in the items) -> per-item outcomes.
+NodeCall = Callable[[RedisDataPlane, KeyedBuffers, bool, list[int]], list[Any]]
 
 _MIN_REFRESH_GAP_S = 0.1
 _MAX_REFRESH_GAP_S = 1.0
@@ -93,7 +97,7 @@ class ClusterDataPlane:
             (settings.host, settings.port),
             *settings.cluster_seed_nodes,
         )
-        self._ttl = str(int(settings.ttl_seconds)).encode()
+        self._ttl = ttl_argument(settings.ttl_seconds)
         self._nodes: dict[Address, RedisDataPlane] = {}
         self._nodes_lock = threading.Lock()
         self._map = slot_map
@@ -411,18 +415,11 @@ class ClusterDataPlane:
     # -- stores and loads --------------------------------------------------------------
 
     def _route(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        call: Callable[
-            [RedisDataPlane, list[tuple[str | bytes, Buffer]], bool, list[int]], list[Any]
-        ],
-        on_error: S,
-        what: str,
-    ) -> list[S]:
-        """Run ``call`` (node, its items, asking, their indices in ``items``) on each
-        master's share of ``items`` in parallel; follow ``MOVED`` and ``ASK`` once.
-        Per-item results, in order."""
-        out: list[S] = [on_error] * len(items)
+        self, items: KeyedBuffers, call: NodeCall, on_error: Outcome, what: str
+    ) -> list[Outcome]:
+        """Run ``call`` on each master's share of ``items`` in parallel; follow ``MOVED``
+        and ``ASK`` once. Per-item results, in order."""
+        out: list[Outcome] = [on_error] * len(items)
         m = self._map
         if m is None:
             self.refresh_map(f"{what} without a slot map")
@@ -474,14 +471,12 @@ class ClusterDataPlane:
 
     def _guarded(
         self,
-        call: Callable[
-            [RedisDataPlane, list[tuple[str | bytes, Buffer]], bool, list[int]], list[Any]
-        ],
+        call: NodeCall,
         addr: Address,
         idx: list[int],
-        items: Sequence[tuple[str | bytes, Buffer]],
+        items: KeyedBuffers,
         asking: bool,
-        on_error: S,
+        on_error: Outcome,
     ) -> list[Any]:
         try:
             return call(self.node(addr), [items[i] for i in idx], asking, idx)
@@ -491,72 +486,44 @@ class ClusterDataPlane:
             return [on_error] * len(idx)
 
     def store(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        fingerprint: bytes,
-        *,
-        parts: Sequence[int] | None = None,
+        self, items: KeyedBuffers, fingerprint: bytes, **options: Unpack[StoreOptions]
     ) -> list[StoreStatus]:
         """Write each (key, payload) on its master with a TTL; per-key status, in order
-        (as ``RedisDataPlane.store``, ``parts`` included)."""
+        (as ``RedisDataPlane.store``, its options included)."""
         if not items:
             return []
         out = self._route(
             items,
             lambda plane, sub, asking, _idx: plane.store_raw(
-                sub,
-                fingerprint,
-                asking=asking,
-                parts=parts,
+                sub, fingerprint, asking=asking, **options
             ),
             StoreStatus.ERROR,
             "store",
         )
-        record_stores(self.stats, items, out)
+        record_outcomes(self.stats, items, out)
         return out
 
     def load(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        fingerprint: bytes,
-        *,
-        deadline: float | None = None,
-        on_loaded: LoadedCallback | None = None,
-        parts: Sequence[int] | None = None,
-        on_part: PartCallback | None = None,
+        self, items: KeyedBuffers, fingerprint: bytes, **options: Unpack[LoadOptions]
     ) -> list[LoadStatus]:
         """Read each key from its master into its buffer; per-key status, in order (as
-        ``RedisDataPlane.load``, ``deadline``, ``on_loaded``, ``parts`` and ``on_part``
-        included: a key redirected to another node reports its parts from there)."""
+        ``RedisDataPlane.load``, its options included: a key redirected to another node
+        reports its parts from there)."""
         if not items:
             return []
+        on_loaded, on_part = options.get("on_loaded"), options.get("on_part")
 
         def node_load(
-            plane: RedisDataPlane,
-            sub: list[tuple[str | bytes, Buffer]],
-            asking: bool,
-            idx: list[int],
+            plane: RedisDataPlane, sub: KeyedBuffers, asking: bool, idx: list[int]
         ) -> list[LoadStatus | RedisRedirectError]:
             # The node's indices are into its share: map them back to ``items``.
             found = None if on_loaded is None else lambda done: on_loaded([idx[j] for j in done])
             got = None if on_part is None else lambda p, done: on_part(p, [idx[j] for j in done])
-            return plane.load_raw(
-                sub,
-                fingerprint,
-                asking=asking,
-                deadline=deadline,
-                on_loaded=found,
-                parts=parts,
-                on_part=got,
-            )
+            node_options: LoadOptions = {**options, "on_loaded": found, "on_part": got}
+            return plane.load_raw(sub, fingerprint, asking=asking, **node_options)
 
-        out = self._route(
-            items,
-            node_load,
-            LoadStatus.ERROR,
-            "load",
-        )
-        record_loads(self.stats, items, out)
+        out = self._route(items, node_load, LoadStatus.ERROR, "load")
+        record_outcomes(self.stats, items, out)
         return out
 
     def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:

@@ -3,8 +3,9 @@
 Commands are pre-encoded bytes: lookups per block from templates around the block
 hash's position (``LookupEncoder`` on one server, ``ClusterLookupEncoder`` on a cluster;
 ``RequestCountEncoder`` counts a request against a block in the same round trip),
-stores as ``MULTI``/``HSET``/``EXPIRE``/``EXEC`` (``body_heads`` frame the value's body
-fields so their bytes are sent from staging without a copy), loads as ``HMGET``.
+stores as ``MULTI``/``HSET``/``EXPIRE``/``EXEC`` (``hset_head`` and ``body_heads`` frame
+the value's fields so the body bytes are sent from staging without a copy), loads as
+``HMGET``. The hash's field names come from ``value_format``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,21 @@ from typing import NamedTuple
 
 from umbp_redis.store.resp import bulk_prefix, encode_command
 from umbp_redis.store.slots import key_slot
-from umbp_redis.store.value_format import body_field
+from umbp_redis.store.value_format import HEADER_FIELD, body_field
+
+
+def _bulk(arg: bytes) -> bytes:
+    """One bulk argument: its length prefix, its bytes and the CRLF that ends it."""
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+_HEADER_ARG = _bulk(HEADER_FIELD)
+
+
+def ttl_argument(ttl_seconds: float) -> bytes:
+    """The ``ttl_seconds`` option as the TTL argument of ``EXPIRE`` and ``SET ... EX``:
+    whole seconds."""
+    return str(int(ttl_seconds)).encode()
 
 
 def keyed_head(command: bytes, nargs: int, key_prefix: bytes, hash_len: int) -> bytes:
@@ -53,10 +68,7 @@ def set_marker_command(k: bytes, ttl: bytes) -> bytes:
 
 def touch_command(keys: Sequence[bytes]) -> bytes:
     """``TOUCH key...`` of every key of ``keys``."""
-    return b"*%d\r\n$5\r\nTOUCH\r\n%s" % (
-        len(keys) + 1,
-        b"".join(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys),
-    )
+    return b"*%d\r\n$5\r\nTOUCH\r\n%s" % (len(keys) + 1, b"".join(_bulk(k) for k in keys))
 
 
 class LookupEncoder:
@@ -128,8 +140,8 @@ def transaction_replies(fields: int) -> tuple[bytes, bytes]:
 def _hmget_frame(parts: int) -> tuple[bytes, bytes]:
     """What comes before a key's length in an HMGET of ``parts`` body fields, and after
     the key: the header field's and every body field's names."""
-    fields = b"".join(b"$%d\r\n%s\r\n" % (len(f), f) for f in (body_field(i) for i in range(parts)))
-    return b"*%d\r\n$5\r\nHMGET\r\n$" % (parts + 3), b"\r\n$1\r\nh\r\n" + fields
+    fields = b"".join(_bulk(body_field(i)) for i in range(parts))
+    return b"*%d\r\n$5\r\nHMGET\r\n$" % (parts + 3), b"\r\n" + _HEADER_ARG + fields
 
 
 def hmget_command(k: bytes, parts: int = 1) -> bytes:
@@ -138,13 +150,25 @@ def hmget_command(k: bytes, parts: int = 1) -> bytes:
     return b"%s%d\r\n%s%s" % (head, len(k), k, fields)
 
 
+def hset_head(key: bytes, header: bytes, bodies: int) -> bytes:
+    """The start of ``HSET key`` of a value with ``bodies`` body fields: its header field
+    and ``header`` (its bytes from ``encode_value``), then the body fields follow
+    (``body_heads``)."""
+    return b"*%d\r\n$4\r\nHSET\r\n%s%s%s" % (
+        2 + 2 * (1 + bodies),  # HSET, the key, a name and a value per field
+        _bulk(key),
+        _HEADER_ARG,
+        _bulk(header),
+    )
+
+
 @functools.lru_cache(maxsize=64)
 def body_heads(bodies: tuple[tuple[int, int], ...]) -> tuple[bytes, ...]:
     """For HSET of body fields of these (offset, length): what goes before each body's
     bytes: the CRLF ending the previous argument (but for the first), the field's name
     and the body's bulk prefix."""
     return tuple(
-        (b"\r\n" if i else b"") + b"$%d\r\n%s\r\n" % (len(f), f) + bulk_prefix(n)
+        (b"\r\n" if i else b"") + _bulk(f) + bulk_prefix(n)
         for i, (f, (_, n)) in enumerate((body_field(i), b) for i, b in enumerate(bodies))
     )
 

@@ -14,20 +14,21 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 from umbp_redis.store.cluster import ClusterDataPlane, read_slot_map
-from umbp_redis.store.commands import LookupEncoder, RequestCountEncoder
+from umbp_redis.store.commands import LookupEncoder, RequestCountEncoder, ttl_argument
 from umbp_redis.store.connection import AuthAlarm, RedisConnection
 from umbp_redis.store.errors import ConfigError, RedisAuthError, RedisDataPlaneError
 from umbp_redis.store.plane import (
-    LoadedCallback,
+    KeyedBuffers,
+    LoadOptions,
     LoadStatus,
-    PartCallback,
     RedisDataPlane,
+    StoreOptions,
     StoreStatus,
 )
-from umbp_redis.store.resp import Buffer, ErrorReply, encode_command, send_buffers
+from umbp_redis.store.resp import ErrorReply, encode_command, send_buffers
 from umbp_redis.store.settings import RedisSettings
 from umbp_redis.store.slots import SlotMap
 
@@ -61,30 +62,15 @@ class DataPlane(Protocol):
         ...
 
     def store(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        fingerprint: bytes,
-        *,
-        parts: Sequence[int] | None = None,
+        self, items: KeyedBuffers, fingerprint: bytes, **options: Unpack[StoreOptions]
     ) -> list[StoreStatus]:
-        """Per-key store outcome, in order; ``parts`` splits each value (see
-        ``RedisDataPlane.store``)."""
+        """Per-key store outcome, in order (the options: ``RedisDataPlane.store``)."""
         ...
 
     def load(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        fingerprint: bytes,
-        *,
-        deadline: float | None = None,
-        on_loaded: LoadedCallback | None = None,
-        parts: Sequence[int] | None = None,
-        on_part: PartCallback | None = None,
+        self, items: KeyedBuffers, fingerprint: bytes, **options: Unpack[LoadOptions]
     ) -> list[LoadStatus]:
-        """Per-key load outcome, in order; with ``deadline`` (monotonic seconds) the call
-        ends by then (keys not read are ``ERROR``); ``on_loaded`` gets the indices of
-        valid keys a batch at a time while later ones are still arriving; ``parts`` and
-        ``on_part``: a part at a time (see ``RedisDataPlane.load``)."""
+        """Per-key load outcome, in order (the options: ``RedisDataPlane.load``)."""
         ...
 
     def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
@@ -269,10 +255,6 @@ class PendingPlane:
         with self._lock:
             self._asking = False
 
-    def _ttl(self) -> bytes:
-        """The TTL argument of the encoders made while pending."""
-        return str(int(self.settings.ttl_seconds)).encode()
-
     def lookup_encoder(
         self, prefixes: Sequence[bytes], *, refresh_ttl: bool, hash_hex_len: int
     ) -> Any:
@@ -283,7 +265,10 @@ class PendingPlane:
                 prefixes, refresh_ttl=refresh_ttl, hash_hex_len=hash_hex_len
             )
         return LookupEncoder(
-            prefixes, refresh_ttl=refresh_ttl, ttl=self._ttl(), hash_hex_len=hash_hex_len
+            prefixes,
+            refresh_ttl=refresh_ttl,
+            ttl=ttl_argument(self.settings.ttl_seconds),
+            hash_hex_len=hash_hex_len,
         )
 
     def request_count_encoder(self, prefix: bytes, *, hash_hex_len: int) -> Any:
@@ -291,7 +276,8 @@ class PendingPlane:
         inner = self._inner
         if inner is not None:
             return inner.request_count_encoder(prefix, hash_hex_len=hash_hex_len)
-        return RequestCountEncoder(prefix, ttl=self._ttl(), hash_hex_len=hash_hex_len)
+        ttl = ttl_argument(self.settings.ttl_seconds)
+        return RequestCountEncoder(prefix, ttl=ttl, hash_hex_len=hash_hex_len)
 
     def lookup_blocks(
         self, blocks: Sequence[Any], count: int, *, counted_from: int | None = None
@@ -305,40 +291,22 @@ class PendingPlane:
         return inner.lookup_blocks(blocks, count, counted_from=counted_from)
 
     def store(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        fingerprint: bytes,
-        *,
-        parts: Sequence[int] | None = None,
+        self, items: KeyedBuffers, fingerprint: bytes, **options: Unpack[StoreOptions]
     ) -> list[StoreStatus]:
         """The inner plane's stores; all ``ERROR`` while pending."""
         inner = self._inner
         if inner is None:
             return [StoreStatus.ERROR] * len(items)
-        return inner.store(items, fingerprint, parts=parts)
+        return inner.store(items, fingerprint, **options)
 
     def load(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        fingerprint: bytes,
-        *,
-        deadline: float | None = None,
-        on_loaded: LoadedCallback | None = None,
-        parts: Sequence[int] | None = None,
-        on_part: PartCallback | None = None,
+        self, items: KeyedBuffers, fingerprint: bytes, **options: Unpack[LoadOptions]
     ) -> list[LoadStatus]:
         """The inner plane's loads; all ``ERROR`` while pending."""
         inner = self._inner
         if inner is None:
             return [LoadStatus.ERROR] * len(items)
-        return inner.load(
-            items,
-            fingerprint,
-            deadline=deadline,
-            on_loaded=on_loaded,
-            parts=parts,
-            on_part=on_part,
-        )
+        return inner.load(items, fingerprint, **options)
 
     def delete(self, keys: Sequence[str | bytes], *, deadline: float | None = None) -> int:
         """The inner plane's delete; 0 while pending."""

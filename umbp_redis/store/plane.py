@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, Unpack
 
 from umbp_redis.store.commands import (
     ASKING,
@@ -37,8 +37,10 @@ from umbp_redis.store.commands import (
     expire_command,
     hmget_command,
     hmget_part_command,
+    hset_head,
     lookup_commands,
     transaction_replies,
+    ttl_argument,
 )
 from umbp_redis.store.connection import (
     AuthAlarm,
@@ -75,6 +77,24 @@ T = TypeVar("T")
 LoadedCallback = Callable[[list[int]], None]
 # Called with a part number and the indices of keys whose part it is done with (``load``).
 PartCallback = Callable[[int, list[int]], None]
+# The (key, buffer) pairs of a store or load: each value's bytes, or where they go.
+KeyedBuffers = Sequence[tuple[str | bytes, Buffer]]
+
+
+class StoreOptions(TypedDict, total=False):
+    """The keyword options of every data plane's ``store``, each None by default
+    (``RedisDataPlane.store`` says what they do)."""
+
+    parts: Sequence[int] | None
+
+
+class LoadOptions(StoreOptions, total=False):
+    """The keyword options of every data plane's ``load``, each None by default
+    (``RedisDataPlane.load`` says what they do); ``parts`` as in ``store``."""
+
+    deadline: float | None
+    on_loaded: LoadedCallback | None
+    on_part: PartCallback | None
 
 
 _MIN_BYTES_PER_CONNECTION = 4 << 20
@@ -86,6 +106,10 @@ class StoreStatus(enum.Enum):
     STORED = "stored"
     OOM = "oom"
     ERROR = "error"
+
+
+# The outcome of a store or a load, one key's.
+Outcome = TypeVar("Outcome", StoreStatus, LoadStatus)
 
 
 @dataclass
@@ -121,40 +145,30 @@ class DataPlaneStats:
             return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
-def record_stores(
-    stats: DataPlaneStats,
-    items: Sequence[tuple[str | bytes, Buffer]],
-    statuses: Sequence[StoreStatus],
-) -> None:
-    """Add the outcome of one ``store`` call to ``stats``."""
-    stored = [
-        memoryview(b).nbytes
-        for (_, b), s in zip(items, statuses, strict=True)
-        if s is StoreStatus.STORED
-    ]
-    stats.add(
-        stored_objects=len(stored),
-        stored_bytes=sum(stored),
-        store_failures=sum(s in (StoreStatus.ERROR, StoreStatus.OOM) for s in statuses),
-    )
+# The counter each outcome adds one to and, for a value stored or loaded, the counter
+# its bytes add to.
+_OUTCOME_COUNTERS: dict[StoreStatus | LoadStatus, tuple[str, str | None]] = {
+    StoreStatus.STORED: ("stored_objects", "stored_bytes"),
+    StoreStatus.OOM: ("store_failures", None),
+    StoreStatus.ERROR: ("store_failures", None),
+    LoadStatus.LOADED: ("loaded_objects", "loaded_bytes"),
+    LoadStatus.MISSING: ("load_missing", None),
+    LoadStatus.INVALID: ("load_invalid", None),
+    LoadStatus.ERROR: ("load_errors", None),
+}
 
 
-def record_loads(
-    stats: DataPlaneStats,
-    items: Sequence[tuple[str | bytes, Buffer]],
-    results: Sequence[LoadStatus],
+def record_outcomes(
+    stats: DataPlaneStats, items: KeyedBuffers, statuses: Sequence[Outcome]
 ) -> None:
-    """Add the outcome of one ``load`` call to ``stats``."""
-    ok = [
-        target_nbytes(d) for (_, d), s in zip(items, results, strict=True) if s is LoadStatus.LOADED
-    ]
-    stats.add(
-        loaded_objects=len(ok),
-        loaded_bytes=sum(ok),
-        load_missing=sum(s is LoadStatus.MISSING for s in results),
-        load_invalid=sum(s is LoadStatus.INVALID for s in results),
-        load_errors=sum(s is LoadStatus.ERROR for s in results),
-    )
+    """Add the per-key outcome of one ``store`` or ``load`` call to ``stats``."""
+    deltas: dict[str, int] = {}
+    for (_, buf), status in zip(items, statuses, strict=True):
+        count, nbytes = _OUTCOME_COUNTERS[status]
+        deltas[count] = deltas.get(count, 0) + 1
+        if nbytes is not None:
+            deltas[nbytes] = deltas.get(nbytes, 0) + target_nbytes(buf)
+    stats.add(**deltas)
 
 
 def _key_bytes(key: str | bytes) -> bytes:
@@ -248,14 +262,9 @@ class RedisDataPlane:
             thread_name_prefix="umbp-redis-io",
             initializer=thread_pinner(settings.transfer_cpus),
         )
-        self._ttl = str(int(settings.ttl_seconds)).encode()
+        self._ttl = ttl_argument(settings.ttl_seconds)
         self._unexpected_logged = False
         self._values = ValueReader(settings.checksum, lambda e: self._note_refusals([e], "HMGET"))
-
-    @property
-    def ttl_arg(self) -> bytes:
-        """The ``ttl_seconds`` option as a command argument."""
-        return self._ttl
 
     def counters(self) -> dict[str, int]:
         """Every counter, refused logins and commands (``auth_failures``) included."""
@@ -392,15 +401,11 @@ class RedisDataPlane:
             return []
         deadline = time.monotonic() + timeout
         buf = b"".join(c for _, c in commands)
-        try:
-            got = self._int_round_trip(buf, len(commands), ok_replies=True, deadline=deadline)
-        except RedisDataPlaneError as e:
-            self.stats.add(upkeep_errors=1)
-            log.debug("%d keyed commands failed: %s", len(commands), e)
-            return None
-        except Exception as e:  # a bug or a malformed reply: counted, never raised
-            self.stats.add(upkeep_errors=1)
-            self._unexpected("keyed commands", e)
+        got = self._upkeep(
+            "keyed commands",
+            lambda: self._int_round_trip(buf, len(commands), ok_replies=True, deadline=deadline),
+        )
+        if got is None:
             return None
         self._note_refusals([r for r in got if isinstance(r, ErrorReply)], "SET")
         return [r if isinstance(r, int) else -1 for r in got]
@@ -409,16 +414,8 @@ class RedisDataPlane:
         """The reply of one pre-encoded one-key command: bytes, int, str, None or a list
         of them; None also when the round trip failed, did not end within ``timeout``
         seconds or was refused (counted as ``upkeep_errors``; never raises)."""
-        try:
-            reply = self._exchange(command, deadline=time.monotonic() + timeout)
-        except RedisDataPlaneError as e:
-            self.stats.add(upkeep_errors=1)
-            log.debug("a keyed query failed: %s", e)
-            return None
-        except Exception as e:  # a bug or a malformed reply: counted, never raised
-            self.stats.add(upkeep_errors=1)
-            self._unexpected("a keyed query", e)
-            return None
+        deadline = time.monotonic() + timeout
+        reply = self._upkeep("a keyed query", lambda: self._exchange(command, deadline=deadline))
         if isinstance(reply, ErrorReply):
             self.stats.add(upkeep_errors=1)
             self._note_refusals([reply], command.split(b"\r\n", 3)[2].decode(errors="replace"))
@@ -426,6 +423,19 @@ class RedisDataPlane:
         return reply
 
     # -- shared round trips ------------------------------------------------------------
+
+    def _upkeep(self, what: str, exchange: Callable[[], T]) -> T | None:
+        """``exchange()``'s result, or None when it fails (counted as ``upkeep_errors``;
+        never raises)."""
+        try:
+            return exchange()
+        except RedisDataPlaneError as e:
+            self.stats.add(upkeep_errors=1)
+            log.debug("%s failed: %s", what, e)
+        except Exception as e:  # a bug or a malformed reply: counted, never raised
+            self.stats.add(upkeep_errors=1)
+            self._unexpected(what, e)
+        return None
 
     def _int_round_trip(
         self,
@@ -511,35 +521,36 @@ class RedisDataPlane:
 
     # -- store ------------------------------------------------------------------------
 
+    def _settled(
+        self, items: KeyedBuffers, raw: Sequence[Outcome | RedisRedirectError], error: Outcome
+    ) -> list[Outcome]:
+        """The outcomes of a ``store_raw`` or ``load_raw`` of ``items``, a redirect read as
+        ``error`` (one server has no other node to send a key to), added to the counters."""
+        out = [error if isinstance(r, RedisRedirectError) else r for r in raw]
+        record_outcomes(self.stats, items, out)
+        return out
+
     def store(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        fingerprint: bytes,
-        *,
-        parts: Sequence[int] | None = None,
+        self, items: KeyedBuffers, fingerprint: bytes, **options: Unpack[StoreOptions]
     ) -> list[StoreStatus]:
         """Write each (key, payload) with the ``ttl_seconds`` TTL; per-key status, in order.
 
         A key is written with its TTL or not at all (one transaction per object).
         The payload buffers are read during the call only and are sent as memoryviews
-        (no copy). ``parts`` (lengths
-        adding up to every payload's) writes each value in that many body fields
-        (``value_format`` version 3), so it can be loaded a part at a time.
+        (no copy). ``parts`` (lengths adding up to every payload's) writes each value in
+        that many body fields (``value_format`` version 3), so it can be loaded a part at
+        a time.
         """
-        if not items:
-            return []
-        raw = self.store_raw(items, fingerprint, parts=parts)
-        done = [StoreStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
-        record_stores(self.stats, items, done)
-        return done
+        raw = self.store_raw(items, fingerprint, **options)
+        return self._settled(items, raw, StoreStatus.ERROR)
 
     def store_raw(
         self,
-        items: Sequence[tuple[str | bytes, Buffer]],
+        items: KeyedBuffers,
         fingerprint: bytes,
         *,
         asking: bool = False,
-        parts: Sequence[int] | None = None,
+        **options: Unpack[StoreOptions],
     ) -> list[StoreStatus | RedisRedirectError]:
         """``store`` without counting, a ``MOVED``/``ASK`` answer returned as its error
         (for the cluster client); with ``asking`` each object is preceded by ``ASKING``."""
@@ -548,10 +559,11 @@ class RedisDataPlane:
         views = [memoryview(payload).cast("B") for _, payload in items]
         sub = [(_key_bytes(key), view) for (key, _), view in zip(items, views, strict=True)]
         error: StoreStatus | RedisRedirectError = StoreStatus.ERROR
+        parts = options.get("parts")
         return self._fan_out(
             len(sub),
             sum(v.nbytes for v in views),
-            lambda rng: self._store_range(sub, rng, fingerprint, self._ttl, asking, parts),
+            lambda rng: self._store_range(sub, rng, fingerprint, asking, parts),
             error,
         )
 
@@ -560,7 +572,6 @@ class RedisDataPlane:
         sub: list[tuple[bytes, memoryview]],
         rng: range,
         fingerprint: bytes,
-        ttl: bytes,
         asking: bool = False,
         parts: Sequence[int] | None = None,
     ) -> list[StoreStatus | RedisRedirectError]:
@@ -571,7 +582,7 @@ class RedisDataPlane:
             return self._windowed(
                 windows,
                 lambda g: self._send_stores(
-                    conn, chunk[g.start : g.stop], fingerprint, ttl, asking, parts
+                    conn, chunk[g.start : g.stop], fingerprint, asking, parts
                 ),
                 lambda g: self._read_stores(conn, len(g), asking, parts),
             )
@@ -581,7 +592,6 @@ class RedisDataPlane:
         conn: RedisConnection,
         group: Sequence[tuple[bytes, memoryview]],
         fingerprint: bytes,
-        ttl: bytes,
         asking: bool = False,
         parts: Sequence[int] | None = None,
     ) -> None:
@@ -591,22 +601,18 @@ class RedisDataPlane:
         bufs: list[Buffer] = []
         with_checksum = self.settings.checksum
         multi = ASKING + MULTI if asking else MULTI
-        nargs = 4 + 2 * _part_count(parts)
         after = b""  # the previous object's EXPIRE and EXEC, sent with this one's start
         for key, payload in group:
             field_h, bodies = encode_value(
                 fingerprint, payload, key, with_checksum=with_checksum, parts=parts
             )
             heads = body_heads(bodies)
-            bufs.append(
-                b"%s%s*%d\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\nh\r\n$%d\r\n%s\r\n%s"
-                % (after, multi, nargs, len(key), key, len(field_h), field_h, heads[0])
-            )
+            bufs.append(after + multi + hset_head(key, field_h, len(bodies)) + heads[0])
             for i, (offset, body_len) in enumerate(bodies):
                 if i:
                     bufs.append(heads[i])
                 bufs.append(payload[offset : offset + body_len])
-            after = b"\r\n" + expire_command(key, ttl) + EXEC
+            after = b"\r\n" + expire_command(key, self._ttl) + EXEC
         bufs.append(after)
         send_buffers(conn.sock, bufs, use_sendmsg=conn.use_sendmsg)
 
@@ -643,14 +649,7 @@ class RedisDataPlane:
     # -- load -------------------------------------------------------------------------
 
     def load(
-        self,
-        items: Sequence[tuple[str | bytes, Buffer]],
-        fingerprint: bytes,
-        *,
-        deadline: float | None = None,
-        on_loaded: LoadedCallback | None = None,
-        parts: Sequence[int] | None = None,
-        on_part: PartCallback | None = None,
+        self, items: KeyedBuffers, fingerprint: bytes, **options: Unpack[LoadOptions]
     ) -> list[LoadStatus]:
         """Read each key into its destination (a buffer, or a list of buffers that take
         consecutive pieces of the payload: see ``target_views``); per-key status, in order.
@@ -672,25 +671,16 @@ class RedisDataPlane:
         value that fails validation is reported ``INVALID`` and a missing key
         ``MISSING``; a connection failure marks the keys of that connection ``ERROR``.
         """
-        if not items:
-            return []
-        raw = self.load_raw(
-            items, fingerprint, deadline=deadline, on_loaded=on_loaded, parts=parts, on_part=on_part
-        )
-        results = [LoadStatus.ERROR if isinstance(s, RedisRedirectError) else s for s in raw]
-        record_loads(self.stats, items, results)
-        return results
+        raw = self.load_raw(items, fingerprint, **options)
+        return self._settled(items, raw, LoadStatus.ERROR)
 
     def load_raw(
         self,
-        items: Sequence[tuple[str | bytes, Buffer]],
+        items: KeyedBuffers,
         fingerprint: bytes,
         *,
         asking: bool = False,
-        deadline: float | None = None,
-        on_loaded: LoadedCallback | None = None,
-        parts: Sequence[int] | None = None,
-        on_part: PartCallback | None = None,
+        **options: Unpack[LoadOptions],
     ) -> list[LoadStatus | RedisRedirectError]:
         """``load`` without counting, a ``MOVED``/``ASK`` answer returned as its error
         (for the cluster client); with ``asking`` each ``HMGET`` follows an ``ASKING``."""
@@ -700,8 +690,9 @@ class RedisDataPlane:
         sub = [(_key_bytes(k), dests[i]) for i, (k, _) in enumerate(items)]
         total = sum(views_nbytes(d) for d in dests)
         error: LoadStatus | RedisRedirectError = LoadStatus.ERROR
-        split = part_split(parts)
-        by_part = on_part if split is not None else None
+        split = part_split(options.get("parts"))
+        by_part = options.get("on_part") if split is not None else None
+        deadline, on_loaded = options.get("deadline"), options.get("on_loaded")
         return self._fan_out(
             len(sub),
             total,

@@ -81,7 +81,7 @@ def longest_header_field(payload_len: int) -> int:
 
 def body_field(part: int) -> bytes:
     """The hash field holding part ``part``'s body: ``b``, ``b1``, ``b2`` ..."""
-    return BODY_FIELD if part == 0 else b"b%d" % part
+    return BODY_FIELD if part == 0 else b"%s%d" % (BODY_FIELD, part)
 
 
 class InvalidValue(ValueError):
