@@ -3,7 +3,7 @@ torch loop and a private Redis server on the reserved CPUs.
 
 The forward is 8 layers of a hidden-1024 Llama computing 56 new tokens over a 3000-token
 prefix (projections, attention, MLP): the remaining prefill of a warm 3000-token prompt
-in ``warm_ttft_bench.py``.
+in ``bench/warm_ttft.py``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Projection for layer-by-layer loads (not built yet): what a warm prompt's remaining
+"""Projection for layer-by-layer loads: what a warm prompt's remaining
 prefill costs when its prefix is loaded before the forward pass, against loaded layer by
 layer while the forward runs, against not loaded at all (vLLM's local prefix cache).
 
 A vLLM CPU worker with one reserved core is emulated (``cpu_worker_emulation``): the
 forward-like loop (8 layers, 56 new tokens over 3000) on the first CPU with 1 bound
 OpenMP thread; Redis and the transfer thread on the reserved CPU. The prefix is 23 blocks
-x 8 layers x 256 KiB (the 46 MB of ``warm_ttft_bench.py``), stored as a hash per block
+x 8 layers x 256 KiB (the 46 MB of ``bench/warm_ttft.py``), stored as a hash per block
 with one field per layer; both load variants read the same fields with redis-py
 pipelines, one per layer (23 ``HGET``):
 
