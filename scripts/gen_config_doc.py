@@ -31,12 +31,15 @@ loads. `kv_load_failure_policy` must be `recompute` so that a block evicted or d
 between lookup and load is recomputed instead of failing the request; vLLM's default is
 `fail`, so the connector sets `recompute` at startup and logs a warning when it had to.
 
-**Secrets:** vLLM prints `kv_connector_extra_config` verbatim in its startup log, so the
+**Secrets:** vLLM prints `kv_connector_extra_config` in its startup log, so the
 connector refuses a Redis password there (a `password` key, or one in `redis_url`) with
 an error that names the two ways that keep it out of logs: `password_file` and the
 environment variable `UMBP_REDIS_PASSWORD` (see
-[operations](operations.md#keep-the-password-out-of-logs)). A user name may stay in the
-URL (`redis://user@host:6379/0`).
+[operations](operations.md#keep-the-password-out-of-logs)). vLLM logs its arguments
+before the connector exists; the package's plugin, which vLLM loads first (for `LLM(...)`
+and for the OpenAI server alike), masks such a password as `***` in that line, so it
+reaches no log while the startup fails. A user name may stay in the URL
+(`redis://user@host:6379/0`).
 """
 
 TABLE_HEAD = """

@@ -55,6 +55,8 @@ def test_the_filter_masks_both_kinds_of_password_and_keeps_every_record() -> Non
     ConnectorSecretFilter().filter(other)
     assert other.getMessage() == "model m has 2 layers" and other.args == ("m", 2)
     assert connector_secrets({"kv_connector_extra_config": {"redis_url": "redis://h"}}) == set()
+    in_query = {"redis_url": "redis://h:1/0?password=q%2Fw&db=0"}
+    assert connector_secrets({"kv_connector_extra_config": in_query}) == {"q/w", "q%2Fw"}
 
 
 _LLM_SCRIPT = """

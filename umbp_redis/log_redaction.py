@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 # The logger of vLLM's "non-default args" line (vllm/entrypoints/serve/utils/api_utils.py).
 VLLM_ARGS_LOGGER = "vllm.entrypoints.serve.utils.api_utils"
@@ -49,7 +49,8 @@ def _extra_configs(value: Any, depth: int = 0) -> Iterator[dict[Any, Any]]:
 
 def connector_secrets(value: Any) -> set[str]:
     """The Redis passwords held by the KV transfer configs in ``value``: a ``password``
-    entry and the password of a ``redis_url`` (as written in the URL)."""
+    entry, and in ``redis_url`` the user-info password and a ``password`` query argument
+    (each as written in the URL and as it reads decoded)."""
     out: set[str] = set()
     for extra in _extra_configs(value):
         password = extra.get("password")
@@ -57,13 +58,20 @@ def connector_secrets(value: Any) -> set[str]:
             out.add(password)
         url = extra.get("redis_url")
         if isinstance(url, str):
-            try:
-                in_url = urlsplit(url).password
-            except ValueError:
-                in_url = None
-            if in_url:
-                out.add(in_url)
+            out |= _url_passwords(url)
     return out
+
+
+def _url_passwords(url: str) -> set[str]:
+    try:
+        parts = urlsplit(url)
+        found = [parts.password or ""]
+    except ValueError:  # a malformed URL: its query may still name a password
+        parts, found = None, []
+    query = parts.query if parts is not None else url.partition("?")[2]
+    found += parse_qs(query).get("password", [])
+    raw = [p.partition("=")[2] for p in query.split("&") if p.startswith("password=")]
+    return {p for p in (*found, *raw) if p}
 
 
 class ConnectorSecretFilter(logging.Filter):
