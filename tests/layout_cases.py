@@ -26,7 +26,9 @@ def _config(
         tensors = [SimpleNamespace(layers=list(LAYERS), block_stride=block_stride)]
     return SimpleNamespace(
         num_blocks=num_blocks,
-        kv_cache_groups=[SimpleNamespace(layer_names=list(LAYERS), kv_cache_spec=spec)],
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=list(LAYERS), kv_cache_spec=spec, enable_kv_transfer=True)
+        ],
         kv_cache_tensors=tensors,
     )
 

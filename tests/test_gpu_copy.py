@@ -118,7 +118,7 @@ def test_two_mib_objects_of_many_blocks_in_one_batch(cupy: Any) -> None:
     nb, names = 96, [f"model.layers.{i}.attn" for i in range(32)]
     caches = {n: torch.randn(2, nb, 16, 8, 128, device="cuda").to(torch.bfloat16) for n in names}
     spec = SimpleNamespace(page_size_bytes=2 * 16 * 8 * 128 * 2, dtype=torch.bfloat16)
-    group = SimpleNamespace(layer_names=names, kv_cache_spec=spec)
+    group = SimpleNamespace(layer_names=names, kv_cache_spec=spec, enable_kv_transfer=True)
     cfg = SimpleNamespace(num_blocks=nb, kv_cache_groups=[group], kv_cache_tensors=[])
     copier, pool, size = _gpu_copier(caches, cfg, 64)
     assert size == 2 << 20

@@ -17,6 +17,7 @@ from typed_redis import raw
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
+    OffloadingKVEventsConfig,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
@@ -73,6 +74,10 @@ class Spec:
     def __init__(self, config: Any) -> None:
         self.config = config
         self.extra_config = config.extra_config
+        self.kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            self_describing_kv_events=False,
+        )
 
 
 def primary() -> tuple[np.ndarray, memoryview]:

@@ -12,6 +12,8 @@ from helpers import ktc, make_vllm_config
 from keys import rank_prefixes
 from kv_fixtures import LAYERS, attn_spec, vllm_layout_caches
 from vllm.config import ModelConfig
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 from waiting import wait_until
@@ -158,6 +160,7 @@ class FakeRequest:
     num_computed_tokens: int = 0
     # What vLLM hashes besides the tokens (the KV events publish it).
     cache_salt: str | None = None
+    num_output_tokens: int = 0
     lora_request: Any = None
     mm_features: list[Any] = field(default_factory=list)
     prompt_embeds: Any = None
@@ -166,6 +169,7 @@ class FakeRequest:
 class FakeBlockPool:
     def __init__(self, n: int) -> None:
         self.blocks = [SimpleNamespace(block_id=i, ref_cnt=0) for i in range(n)]
+        self.null_block = self.blocks[0]  # as vLLM's: block 0, never a request's
 
     def touch(self, blocks):  # type: ignore[no-untyped-def]
         for b in blocks:
@@ -214,6 +218,11 @@ def marker_keys(s: UMBPScheduler, hashes: list[bytes], group: int = 0) -> list[s
 
 def request(n_tokens: int, rid: str = "r1") -> FakeRequest:
     return FakeRequest(rid, n_tokens, [bytes([i]) * 32 for i in range(n_tokens // BS)])
+
+
+def allocation(*groups: list[int]) -> KVCacheBlocks:
+    """vLLM's allocation of the blocks ``groups`` (block ids of each cache group)."""
+    return KVCacheBlocks(tuple([KVCacheBlock(b) for b in ids] for ids in groups))
 
 
 def test_counts_the_consecutive_prefix_whose_every_key_exists(model_config: ModelConfig) -> None:
@@ -300,6 +309,7 @@ def _step(new=(), cached=(), sched=None, preempted=None):  # type: ignore[no-unt
             resumed_req_ids=set(),
         ),
         num_scheduled_tokens=sched or {},
+        total_num_scheduled_tokens=sum((sched or {}).values()),
         preempted_req_ids=preempted,
     )
 
@@ -365,7 +375,7 @@ def _step_of_a_sync_load(
     assert s.codec is not None
     plane.present = {k for h in req.block_hashes[:2] for k in s.codec.rank_keys(h, 0)}
     assert s.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
-    ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+    ids = allocation([1, 2, 3, 4, 5])
     s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
     meta = s.build_connector_meta(
         _step(new=[("r1", ([1, 2, 3, 4, 5],), 2 * BS)], sched={"r1": 2 * BS + 40})
@@ -593,7 +603,7 @@ def test_blocks_recomputed_after_a_failed_load_are_stored_again(
     assert s.codec is not None
     plane.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
     assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
-    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+    blocks = allocation([1, 2, 3, 4, 5])
     s.update_state_after_alloc(req, blocks, 3 * BS)
     # Block 1 was invalid: vLLM recomputes from its start (num_computed_tokens = BS).
     meta = s.build_connector_meta(
@@ -658,7 +668,7 @@ def test_a_failing_hook_is_a_miss_not_an_exception(
         raise RuntimeError("bug")
 
     s2.loads.hashing = SimpleNamespace(hash_of=bad_hash, block_size=BS)  # type: ignore[assignment]
-    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+    blocks = allocation([1, 2, 3, 4])
     s2.update_state_after_alloc(req, blocks, 2 * BS)
     (batch,) = s2.build_connector_meta(_step()).loads
     assert batch.fail_all and list(batch.block_ids) == [2, 3]
@@ -1148,7 +1158,7 @@ def test_idle_steps_wait_briefly_only_while_loads_are_in_flight(
         assert s.codec is not None
         plane.present = {s.codec.key(h, 0) for h in req.block_hashes}
         assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
-        ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+        ids = allocation([1, 2, 3, 4])
         s.update_state_after_alloc(req, ids, 3 * BS)  # type: ignore[arg-type]
 
         def idle(tokens: int) -> Any:
@@ -1221,7 +1231,7 @@ def test_auto_load_mode_loads_small_hits_before_the_step_and_large_ones_async(
     # The load carries the mode vLLM was told; a sync one pins no blocks.
     pool = FakeBlockPool(32)
     s.bind_block_pool(pool)
-    ids = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6],))
+    ids = allocation([1, 2, 3, 4, 5, 6])
     s.update_state_after_alloc(req, ids, 2 * BS)  # type: ignore[arg-type]
     (batch,) = s.build_connector_meta(_step(sched={})).loads
     assert batch.load_async is False and batch.block_ids == (2, 3)
@@ -1296,13 +1306,13 @@ def _a_sync_load_on_a_real_block_pool(
     s.bind_block_pool(pool)
     req = request(5 * BS + 40)
     req.all_token_ids = list(range(5 * BS + 40))  # type: ignore[attr-defined]
-    req.num_output_tokens = 0  # type: ignore[attr-defined]
+    req.num_output_tokens = 0
     assert s.codec is not None
     plane.present = {s.codec.key(h, 0) for h in req.block_hashes[:3]}
     assert s.get_num_new_matched_tokens(req, BS) == (2 * BS, False)
     blocks = pool.get_new_blocks(6)
     ids = [b.block_id for b in blocks]
-    s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 2 * BS)  # type: ignore[arg-type]
+    s.update_state_after_alloc(req, KVCacheBlocks((blocks,)), 2 * BS)
     pool.cache_full_blocks(req, blocks, 0, 5, BS, 0)  # type: ignore[arg-type]
     meta = s.build_connector_meta(_step(new=[("r1", (ids,), 3 * BS)], sched={"r1": 2 * BS + 40}))
     return s, req, blocks, meta
@@ -1348,7 +1358,7 @@ def test_a_request_ended_before_its_sync_load_was_confirmed_leaves_no_cached_blo
     since had its load confirmed: its blocks stay cached."""
     s, req, blocks, meta = _a_sync_load_on_a_real_block_pool(model_config)
     assert meta.loads[0].load_async is False
-    req.num_output_tokens = outputs_after_load  # type: ignore[attr-defined]
+    req.num_output_tokens = outputs_after_load
     s.request_finished(req)  # type: ignore[arg-type]
     assert blocks[0].block_hash is not None  # before the load: vLLM's own
     if outputs_after_load:
@@ -1613,7 +1623,9 @@ def _teach_rates(
         step.total_num_scheduled_tokens = tokens
         s.build_connector_meta(step)
         clock[0] += 0.002 + tokens * s_per_token
-        s.update_connector_output(SimpleNamespace(finished_recving=None))  # type: ignore[arg-type]
+        s.update_connector_output(
+            SimpleNamespace(finished_recving=None, kv_connector_worker_meta=None)  # type: ignore[arg-type]
+        )
 
 
 def test_hits_that_load_slower_than_they_compute_are_declined(

@@ -116,7 +116,9 @@ def registered_planner(
     spec = SimpleNamespace(page_size_bytes=page_bytes, dtype=torch.bfloat16)
     cfg: Any = SimpleNamespace(
         num_blocks=nb,
-        kv_cache_groups=[SimpleNamespace(layer_names=list(caches), kv_cache_spec=spec)],
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=list(caches), kv_cache_spec=spec, enable_kv_transfer=True)
+        ],
         kv_cache_tensors=[],
     )
     planner = KVLayoutPlanner(cfg)

@@ -74,7 +74,9 @@ def build_cache(  # type: ignore[no-untyped-def]
     )
     cfg: Any = SimpleNamespace(
         num_blocks=num_blocks,
-        kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=names, kv_cache_spec=spec, enable_kv_transfer=True)
+        ],
         kv_cache_tensors=[],
     )
     return cfg, caches

@@ -35,6 +35,7 @@ from kv_fixtures import attn_spec, vllm_layout_caches  # noqa: E402
 from test_data_identity import make_vllm_config  # noqa: E402
 from vllm.config import ModelConfig  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from umbp_redis.engine.options import parse_connector_options  # noqa: E402
 from umbp_redis.engine.scheduler import UMBPScheduler  # noqa: E402
@@ -53,6 +54,7 @@ class Req:
     request_id: str
     num_prompt_tokens: int
     block_hashes: list[bytes]
+    status: RequestStatus = RequestStatus.RUNNING
 
 
 def p50_ms(fn: Callable[[], Any], runs: int) -> float:

@@ -46,7 +46,13 @@ def run(url: str, chunk_bytes: int, n: int, repeats: int) -> dict[str, list[floa
     rows = np.random.default_rng(0).integers(0, 256, size=(2 * n, chunk_bytes), dtype=np.uint8)
     view = rows.data
     cfg: Any = offloading_config()
-    tier = UMBPRedisTier(Spec(cfg), view, "umbp_redis", redis_url=url)  # type: ignore[arg-type]
+    tier = UMBPRedisTier(
+        Spec(cfg),  # type: ignore[arg-type]
+        view,
+        "umbp_redis",
+        redis_url=url,
+        enable_kv_events=False,  # events are not measured here
+    )
     plane = RedisDataPlane(RedisSettings.from_url(url))
     flat = view.cast("B")
     bufs = [flat[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(2 * n)]

@@ -48,9 +48,9 @@ def chunk_namespace_inputs(offloading_config: Any, chunk_bytes: int) -> dict[str
             "pcp": int(par.pcp_size),
             "dcp": int(par.dcp_size),
         },
-        "replicated_layout": bool(getattr(c, "replicated_layout", False)),
-        "canonical_layout": bool(getattr(c, "canonical_layout", False)),
-        "kv_cache_layout": getattr(c, "kv_cache_layout", None),
+        "replicated_layout": bool(c.replicated_layout),
+        "canonical_layout": bool(c.canonical_layout),
+        "kv_cache_layout": c.kv_cache_layout,
     }
 
 

@@ -92,7 +92,7 @@ def reach_of(group_id: int, spec: Any) -> CacheGroupReach:
     """
     name = type(spec).__name__
     bs = int(spec.block_size)
-    if not getattr(spec, "prefix_cacheable", True):
+    if not spec.prefix_cacheable:
         raise UnsupportedCacheGroup(
             f"KV cache group {group_id} ({name}) has no prefix caching in vLLM"
         )

@@ -172,7 +172,7 @@ class KVLayoutPlanner:
         self.layer_specs: dict[str, Any] = {}
         self.layer_group: dict[str, int] = {}
         for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-            if not getattr(group, "enable_kv_transfer", True):
+            if not group.enable_kv_transfer:
                 continue
             specs = layer_specs(group)
             self.group_layers[gid] = tuple(group.layer_names)

@@ -65,15 +65,15 @@ def _model_fingerprint(model_config: Any) -> dict[str, Any]:
     ``hf_config`` already has ``hf_overrides`` applied, so overridden RoPE or attention
     settings separate engines that share a model path.
     """
-    hf_config = getattr(model_config, "hf_config", None)
+    hf_config = model_config.hf_config
     hf = hf_config.to_dict() if hf_config is not None and hasattr(hf_config, "to_dict") else {}
     for noisy in ("_name_or_path", "transformers_version", "_commit_hash", "architectures_map"):
         hf.pop(noisy, None)
     return {
-        "model": getattr(model_config, "model", None),
-        "revision": getattr(model_config, "revision", None),
-        "dtype": _stable(getattr(model_config, "dtype", None)),
-        "quantization": _stable(getattr(model_config, "quantization", None)),
+        "model": model_config.model,
+        "revision": model_config.revision,
+        "dtype": _stable(model_config.dtype),
+        "quantization": _stable(model_config.quantization),
         "hf_config": _stable(hf),
     }
 
@@ -84,17 +84,14 @@ def _engine_may_load_foreign_kv(vllm_config: VllmConfig) -> bool:
     A MultiConnector hands each child a copy of the config holding only that child's
     ``kv_transfer_config``, so the engine's current config is read too when it is set.
     """
-    configs = [vllm_config]
-    try:
-        from vllm.config import get_current_vllm_config_or_none
+    from vllm.config import get_current_vllm_config_or_none
 
-        current = get_current_vllm_config_or_none()
-        if current is not None:
-            configs.append(current)
-    except ImportError:  # pragma: no cover - older vLLM
-        pass
+    configs = [vllm_config]
+    current = get_current_vllm_config_or_none()
+    if current is not None:
+        configs.append(current)
     for cfg in configs:
-        ktc = getattr(cfg, "kv_transfer_config", None)
+        ktc = cfg.kv_transfer_config
         if ktc is None or ktc.kv_connector != "MultiConnector":
             continue
         children = (ktc.kv_connector_extra_config or {}).get("connectors", [])
@@ -129,16 +126,16 @@ def namespace_inputs(
         "object_parts": SPLIT_RULE,
         "model": _model_fingerprint(vllm_config.model_config),
         "weights": weights,
-        "block_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
-        "cache_dtype": str(getattr(cc, "cache_dtype", "auto")),
-        "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None),
-        "hash_block_size": getattr(kv_cache_config, "hash_block_size", None),
+        "block_hash_algo": str(cc.prefix_caching_hash_algo),
+        "cache_dtype": str(cc.cache_dtype),
+        "kv_cache_layout": kv_cache_config.kv_cache_layout,
+        "hash_block_size": kv_cache_config.hash_block_size,
         "groups": groups,
         "parallel": {
             "tp": int(pc.tensor_parallel_size),
             "pp": int(pc.pipeline_parallel_size),
-            "pcp": int(getattr(pc, "prefill_context_parallel_size", 1) or 1),
-            "dcp": int(getattr(pc, "decode_context_parallel_size", 1) or 1),
+            "pcp": int(pc.prefill_context_parallel_size),
+            "dcp": int(pc.decode_context_parallel_size),
         },
         "foreign_kv": _engine_may_load_foreign_kv(vllm_config),
     }
@@ -168,8 +165,8 @@ class UMBPNamespace:
     @classmethod
     def configured(cls, vllm_config: VllmConfig) -> UMBPNamespace | None:
         """Return the explicit ``key_namespace`` of the connector config, or None when derived."""
-        ktc = getattr(vllm_config, "kv_transfer_config", None)
-        extra = (getattr(ktc, "kv_connector_extra_config", None) or {}) if ktc else {}
+        ktc = vllm_config.kv_transfer_config
+        extra = (ktc.kv_connector_extra_config or {}) if ktc else {}
         value = extra.get("key_namespace")
         if value in (None, ""):
             return None

@@ -84,8 +84,8 @@ class RankTopology:
         """Sizes from ``vllm_config.parallel_config``; ranks as given (0 on the scheduler)."""
         pc = vllm_config.parallel_config
         tp = int(pc.tensor_parallel_size)
-        pcp = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
-        dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
+        pcp = int(pc.prefill_context_parallel_size)
+        dcp = int(pc.decode_context_parallel_size)
         return cls(
             tp_rank=tp_rank,
             tp_size=tp,

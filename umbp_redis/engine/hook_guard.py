@@ -54,7 +54,7 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
     failure policy to ``recompute`` (a block evicted between lookup and load must be
     recomputed, not fail the user's request)."""
     ktc = vllm_config.kv_transfer_config
-    if ktc is not None and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+    if ktc is not None and ktc.kv_load_failure_policy != "recompute":
         # vLLM reads the policy after the connector is made.
         log.warning(
             "umbp-redis: kv_transfer_config.kv_load_failure_policy was %r; using "
@@ -64,7 +64,7 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
             ktc.kv_load_failure_policy,
         )
         ktc.kv_load_failure_policy = "recompute"
-    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
     if algo in WEAK_HASH_ALGOS:
         log.warning(
             "umbp-redis: prefix_caching_hash_algo=%s is not collision resistant: in a "

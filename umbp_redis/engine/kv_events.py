@@ -91,7 +91,7 @@ def event_blocks(
     hash of its block ``i``), with the extra keys vLLM hashed into each block."""
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
-    lora = getattr(request, "lora_request", None)
+    lora = request.lora_request
     lora_id = lora.adapter_id if lora is not None else None
     lora_name = lora.name if lora is not None else None
     token_ids = request.all_token_ids

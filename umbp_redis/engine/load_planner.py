@@ -48,14 +48,14 @@ class LoadPlanner:
         ``[first, last)`` loads, in block order: every group's blocks its reach needs
         (a sliding window only the blocks before ``last``), never vLLM's null block."""
         ids = blocks.get_block_ids()
-        kv_blocks = getattr(blocks, "blocks", None)
+        kv_blocks = blocks.blocks
         needed = [(r.group_id, r.needed(last, first)) for r in self.group_plans.groups]
         out = []
         for i in range(first, last):
             for g, wanted in needed:
                 if i not in wanted or i >= len(ids[g]):
                     continue
-                if kv_blocks is not None and getattr(kv_blocks[g][i], "is_null", False):
+                if kv_blocks[g][i].is_null:
                     continue
                 out.append((i, g, ids[g][i]))
         return out
@@ -117,7 +117,7 @@ class LoadPlanner:
         """Remember where a sync load starts and how many tokens the request had output
         then (see ``uncache_unconfirmed_sync_load``)."""
         st.sync_load_from = first
-        st.sync_load_outputs = int(getattr(request, "num_output_tokens", 0) or 0)
+        st.sync_load_outputs = request.num_output_tokens
 
     def uncache_unconfirmed_sync_load(
         self, st: RequestState, request: Request, groups: list[int]
@@ -130,7 +130,7 @@ class LoadPlanner:
         load's values may be gone from Redis while their markers are not yet."""
         if st.sync_load_outputs is None:
             return []
-        if int(getattr(request, "num_output_tokens", 0) or 0) > st.sync_load_outputs:
+        if request.num_output_tokens > st.sync_load_outputs:
             return []
         self.uncache_failed_sync_load(st, groups)
         first = st.sync_load_from

@@ -58,12 +58,12 @@ class NamespaceAdvert:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         mc = vllm_config.model_config
-        served = getattr(mc, "served_model_name", None) or []
+        served = mc.served_model_name or []
         self.model = str(mc.model)
-        self.tokenizer = str(getattr(mc, "tokenizer", None) or mc.model)
+        self.tokenizer = str(mc.tokenizer or mc.model)
         self.served_names = tuple([served] if isinstance(served, str) else [str(n) for n in served])
         cc = vllm_config.cache_config
-        self.hash_algo = str(getattr(cc, "prefix_caching_hash_algo", "sha256"))
+        self.hash_algo = str(cc.prefix_caching_hash_algo)
         self.block_size = block_size
         self.hash_block_size = hash_block_size
         self.plans = plans

@@ -121,8 +121,7 @@ class UMBPRedisTier(SecondaryTierManager):
             {k: v for k, v in options.items() if k in store_names}
         )
         # Events by default where vLLM's --kv-events-config asks the offloading for them.
-        events_cfg = getattr(offloading_spec, "kv_events_config", None)
-        default_events = bool(getattr(events_cfg, "enable_kv_cache_events", False))
+        default_events = offloading_spec.kv_events_config.enable_kv_cache_events
         self.enable_events = bool(options.get("enable_kv_events", default_events))
         self.locality = Locality.REMOTE
         threads = int(options.get("transfer_threads", DEFAULT_TRANSFER_THREADS))

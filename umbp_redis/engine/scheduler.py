@@ -80,7 +80,7 @@ _STOPPED_BY_OUTPUT = frozenset(
 def _stopped_by_output(request: Request) -> bool:
     """Whether vLLM ended ``request`` while applying a step's output (so it applied the
     outcome of every load of that step first)."""
-    return getattr(getattr(request, "status", None), "name", "") in _STOPPED_BY_OUTPUT
+    return request.status.name in _STOPPED_BY_OUTPUT
 
 
 class UMBPScheduler:
@@ -113,9 +113,7 @@ class UMBPScheduler:
             )
         self.topology = RankTopology.from_vllm_config(vllm_config)
         groups = kv_cache_config.kv_cache_groups
-        self.groups = [
-            gid for gid, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)
-        ]
+        self.groups = [gid for gid, g in enumerate(groups) if g.enable_kv_transfer]
         block_size = int(groups[self.groups[0]].kv_cache_spec.block_size)
         self.block_size = block_size
         self.hashing = BlockHashing(block_size, int(kv_cache_config.hash_block_size or block_size))
@@ -189,7 +187,7 @@ class UMBPScheduler:
             settings.ttl_seconds,
         )
         # KV cache events (only with vLLM's --kv-events-config).
-        events_cfg = getattr(vllm_config, "kv_events_config", None)
+        events_cfg = vllm_config.kv_events_config
         self.events: StoredBlockEvents | None = None
         # The fleet's blocks on this engine's events, once the namespace is known.
         self.fleet: FleetBlockFeed | None = None
@@ -201,14 +199,14 @@ class UMBPScheduler:
             if options.fleet_events:
                 self._fleet_settings = (settings.ttl_seconds, settings.op_timeout_s)
             self._start_fleet_feed()
-        sched_cfg = getattr(vllm_config, "scheduler_config", None)
+        sched_cfg = vllm_config.scheduler_config
         self.lazy = (
             LazyStorePlanner(
                 self.groups,
                 block_size,
                 int(kv_cache_config.num_blocks),
-                int(getattr(sched_cfg, "max_num_batched_tokens", 0) or 8192),
-                int(getattr(sched_cfg, "max_num_seqs", 0) or 256),
+                int(sched_cfg.max_num_batched_tokens),
+                int(sched_cfg.max_num_seqs),
                 with_events=self.events is not None,
             )
             if options.store_mode == "lazy"
@@ -232,7 +230,7 @@ class UMBPScheduler:
         # KV every rank computes after it in that step (see _plan_step). vLLM applies a
         # step's output before it schedules the next, or (async scheduling) one later.
         shared = t.tp_size * t.pp_size * t.pcp_size * t.dcp_size > 1
-        async_sched = bool(getattr(sched_cfg, "async_scheduling", False))
+        async_sched = bool(sched_cfg.async_scheduling)
         self.sync_load_store_hold = (2 if async_sched else 1) if shared else 0
         # Stores of requests that ended while held, for the next step (request_finished).
         self._ended_held_stores = UMBPConnectorMetadata()
@@ -421,8 +419,8 @@ class UMBPScheduler:
         t0 = time.perf_counter()
         meta = UMBPConnectorMetadata()
         meta.loads = self.loads.take()
-        meta.step_requests = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
-        step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        meta.step_requests = len(scheduler_output.num_scheduled_tokens)
+        step_tokens = scheduler_output.total_num_scheduled_tokens
         if (
             self.idle_wait_s > 0
             and (self.pins.loads or self.pins.stores)
@@ -514,7 +512,7 @@ class UMBPScheduler:
 
     def _update_cached(self, scheduler_output: SchedulerOutput) -> None:
         cached = scheduler_output.scheduled_cached_reqs
-        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
+        resumed = cached.resumed_req_ids
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             if new_ids is None:
@@ -545,9 +543,9 @@ class UMBPScheduler:
         failed loads are quarantined, KV events are emitted; the step's output and the
         loads' times feed the load-or-compute estimates."""
         self.benefit.note_step_output()  # vLLM reports each step's output once
-        for rid in getattr(connector_output, "finished_recving", None) or ():
+        for rid in connector_output.finished_recving or ():
             self.pins.load_done(rid)
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, UMBPConnectorWorkerMetadata):
             return
         for nbytes, seconds, complete in meta.load_times:
@@ -582,7 +580,7 @@ class UMBPScheduler:
             self.pins.store_reported(eid, res.finished_workers)
 
     def _finished_fallback(self, request: Request) -> tuple[bool, None]:
-        self.requests.pop(getattr(request, "request_id", None), None)  # type: ignore[arg-type]
+        self.requests.pop(request.request_id, None)
         return False, None
 
     @guarded_hook(_finished_fallback)
@@ -628,7 +626,7 @@ class UMBPScheduler:
         """
         early = (b for _, _, b, _ in self.lazy.early) if self.lazy is not None else ()
         pinned = itertools.chain(self.pins.blocks(), early)
-        return any(getattr(b, "ref_cnt", 0) == 1 for b in pinned)
+        return any(b.ref_cnt == 1 for b in pinned)
 
     @guarded_hook(lambda self: False)
     def has_pending_push_work(self) -> bool:

@@ -97,7 +97,8 @@ class StorePlanner:
             None if r.stores_all() else set(r.stored(range(first, last), hit_points))
             for r in self.group_plans.groups
         ]
-        null_id = getattr(getattr(self.pins.block_pool, "null_block", None), "block_id", None)
+        pool = self.pins.block_pool
+        null_id = pool.null_block.block_id if pool is not None else None
         for i in range(first, last):
             h = self.hashing.hash_of(req, i)
             if h is None:

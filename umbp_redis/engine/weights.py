@@ -88,13 +88,13 @@ def weights_fingerprint(model_config: Any, mode: str = "sampled") -> str:
     load_format = str(getattr(model_config, "load_format", "") or "")
     if load_format == "dummy":
         return f"dummy:seed={getattr(model_config, 'seed', None)}"
-    model = str(getattr(model_config, "model", "") or "")
+    model = str(model_config.model or "")
     try:
         if model and os.path.exists(model):
             fp = local_fingerprint(Path(model), full=mode == "full")
             if fp is not None:
                 return fp
-        commit = _hub_commit(model, getattr(model_config, "revision", None))
+        commit = _hub_commit(model, model_config.revision)
         if commit is not None:
             return f"hub:{commit}"
     except OSError as e:
