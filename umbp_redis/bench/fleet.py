@@ -43,6 +43,11 @@ recorded as rounds 1 and 2, and the counters, CPU and Redis figures cover the me
 pass only. "Share of the ideal gain" is (TTFT no-connector - TTFT umbp-redis) /
 (TTFT no-connector - TTFT ideal), per repeat; figures are medians over repeats with
 their spread.
+
+``--faults SPEC`` (conversations only; ``fleet_faults``): Redis faults on a schedule
+timed from the start of the measured workload, the same in every configuration, each
+against the configuration's own Redis; the result's ``faults`` part splits each fault
+into phases (before, during, after) per configuration.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from umbp_redis.bench.fleet_engines import (
     start_engines,
     stop_engines,
 )
+from umbp_redis.bench.fleet_faults import Fault, FaultInjector, fault_summary
 from umbp_redis.bench.fleet_vllm_client import ClientRequest, run_client_pass
 from umbp_redis.bench.fleet_workload import (
     FIRST_TOKEN_ID,
@@ -164,6 +170,8 @@ class ConfigRun:
     hits_from_counters: bool = False  # requests carry no cached-token count
     join_wait_s: float = 0.0  # --join-late: waiting for the late engine, not in wall_s
     connector: bool = True  # the configuration's engines run the connector
+    faults: list[dict[str, Any]] = field(default_factory=list)  # FaultInjector.report
+    engine_rss_bytes: dict[str, list[int]] = field(default_factory=dict)  # with --faults
 
     def ttfts(self, first_round: int = 1) -> list[float]:
         """TTFTs of successful requests of rounds >= ``first_round`` (0-based)."""
@@ -433,16 +441,20 @@ async def _run_conversations(
     on_request: Callable[[], None],
     timeout_s: float,
     join: Callable[[], Awaitable[None]] | None = None,
+    on_start: Callable[[float], None] | None = None,
 ) -> list[RequestRecord]:
     """Every conversation at once; ``urls()`` are the engines' base URLs now (the late
     engine's appear after ``join``), and ``join``, where given, runs once every
-    conversation has finished ``routing.join_round`` rounds, all of them waiting for it."""
+    conversation has finished ``routing.join_round`` rounds, all of them waiting for it.
+    ``on_start`` is called with the ``time.perf_counter()`` the send times count from."""
     import aiohttp
 
     shape = script.shape
     records: list[RequestRecord] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     start = time.perf_counter()
+    if on_start is not None:
+        on_start(start)
     in_flight = [0] * max(len(routing.urls), routing.router.engines if routing.router else 0)
     arrived = 0
     joined = asyncio.Event()
@@ -601,6 +613,8 @@ class FleetPlan:
     repetition: RepetitionShape | None = None
     # > 0: the last engine starts once every conversation has finished this many rounds.
     join_late_round: int = 0
+    # Redis faults during the measured conversations, the same in every configuration.
+    faults: tuple[Fault, ...] = ()
 
     @property
     def longest_request_tokens(self) -> int:
@@ -649,9 +663,12 @@ def run_config(
     out = ConfigRun(config.name, repeat, redis_maxmemory=maxmemory, connector=config.connector)
     policy = config.vllm_router_policy
     late = 1 if plan.join_late_round else 0
-    server = EmbeddedRedis(
-        ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
-    ).start()
+    redis_args: list[str] = []
+    if maxmemory:
+        redis_args += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"]
+    if any(f.kind == "sleep" for f in plan.faults):
+        redis_args += ["--enable-debug-command", "yes"]  # DEBUG SLEEP
+    server = EmbeddedRedis(redis_args).start()
     engines: list[RunningEngine] = []
     router: RunningRouter | None = None
     try:
@@ -753,19 +770,32 @@ def run_config(
                 plan.join_late_round,
                 plan.engines - late,
             )
-            out.requests = asyncio.run(
-                _run_conversations(
-                    lambda: [e.base_url for e in engines],
-                    plan.model,
-                    ConversationScript(plan.shape),
-                    routing,
-                    plan.conversation_rate,
-                    plan.think_time_s,
-                    on_request,
-                    plan.request_timeout_s,
-                    join if late else None,
+            injector = None
+            if plan.faults:
+                injector = FaultInjector(server, lambda: list(engines), plan.faults)
+            try:
+                out.requests = asyncio.run(
+                    _run_conversations(
+                        lambda: [e.base_url for e in engines],
+                        plan.model,
+                        ConversationScript(plan.shape),
+                        routing,
+                        plan.conversation_rate,
+                        plan.think_time_s,
+                        on_request,
+                        plan.request_timeout_s,
+                        join if late else None,
+                        injector.start if injector else None,
+                    )
                 )
-            )
+            finally:
+                if injector is not None:
+                    injector.stop()  # a fault in progress is lifted: Redis runs again
+            if injector is not None:
+                out.faults = injector.report(out.requests)
+                out.engine_rss_bytes = injector.rss_bytes
+                r.close()
+                r = redis.Redis.from_url(server.url)  # a fresh connection after the faults
             if router is not None:
                 engine_of = served_by(
                     [e.log_path for e in engines], [q.request_id for q in out.requests]
@@ -794,6 +824,8 @@ def run_config(
         out.redis_used_bytes = max(0, int(r.info("memory")["used_memory"]) - base_mem)
         out.redis_keys = int(r.dbsize())
         out.redis_cpu_s = _server_cpu_s(r) - base_cpu
+        if any(f["kind"].startswith("kill") and f["started_s"] is not None for f in out.faults):
+            out.redis_cpu_s = math.nan  # the restarted server counts its own CPU only
         r.close()
     finally:
         if router is not None:
@@ -891,6 +923,7 @@ def run_fleet_bench(
                 runs.append(run)
     finally:
         bar.close()
+    summary = summarize([c.name for c in configs], runs)
     return {
         "plan": {
             "model": plan.model,
@@ -902,10 +935,12 @@ def run_fleet_bench(
             "repetition": asdict(plan.repetition) if plan.repetition else None,
             "join_late_round": plan.join_late_round,
             "log_dir": str(plan.log_dir),
+            "faults": [f.label for f in plan.faults],
         },
         "configs": [asdict(c) for c in configs],
         "runs": [asdict(r) for r in runs],
-        "summary": summarize([c.name for c in configs], runs),
+        "summary": summary,
+        **({"faults": fault_summary(plan.faults, runs, summary)} if plan.faults else {}),
     }
 
 

@@ -186,6 +186,17 @@ def _register_fleet(targets: Any) -> None:
         help="scale-out: the last engine starts cold once every conversation has finished "
         "K rounds (default 0: all engines from the start)",
     )
+    fl.add_argument(
+        "--faults",
+        default=None,
+        metavar="SPEC",
+        help="Redis faults during the measured conversations, the same schedule in every "
+        "configuration against its own Redis: KIND@START+DURATION,... in seconds since the "
+        "workload started, KIND one of kill (restart empty), kill-keep (SAVE, restart with "
+        "the dump), pause (CLIENT PAUSE), sleep (DEBUG SLEEP), maxmemory (10%% of "
+        "used_memory, allkeys-lru); e.g. kill@20+8,pause@80+4; reported per fault and "
+        "phase (before, during, after)",
+    )
     fl.add_argument("--conversations", type=int, default=4, help="conversations at once")
     fl.add_argument("--rounds", type=int, default=6, help="rounds per conversation")
     fl.add_argument("--system-tokens", type=int, default=640, help="shared system prompt")
@@ -278,6 +289,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         run_fleet_bench,
         write_png,
     )
+    from umbp_redis.bench.fleet_faults import format_fault_table, parse_faults
     from umbp_redis.bench.fleet_workload import ConversationShape, RepetitionShape
     from umbp_redis.bench.vllm_router import RouterMissingError
     from umbp_redis.store.errors import ConfigError
@@ -287,6 +299,9 @@ def _run_fleet(args: argparse.Namespace) -> int:
     block_size = 128  # vLLM's CPU backend
     try:
         variants = [parse_variant(v) for v in args.variant]
+        faults = parse_faults(args.faults) if args.faults is not None else ()
+        if faults and args.workload != "conversations":
+            raise ValueError(f"--faults needs the conversations workload, not {args.workload}")
         shape = ConversationShape(
             conversations=args.conversations,
             rounds=args.rounds,
@@ -362,6 +377,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         log_dir=work / "logs",
         repetition=repetition,
         join_late_round=args.join_late,
+        faults=faults,
     )
     result = run_fleet_bench(plan, configs, args.repeats, progress=not args.quiet)
     if args.png:
@@ -373,6 +389,9 @@ def _run_fleet(args: argparse.Namespace) -> int:
         print(format_table(result))
         for line in account_lines(result):
             print(line)
+        if "faults" in result:
+            print()
+            print(format_fault_table(result["faults"]))
     return 0
 
 
