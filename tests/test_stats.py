@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import logging
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from umbp_redis import connector
 from umbp_redis.connector import UMBPRedisConnector
 from umbp_redis.engine.stats import UMBPConnectorStats
 from umbp_redis.engine.worker import WorkerStats
@@ -138,3 +141,20 @@ def test_every_counter_of_the_table_is_exported_or_feeds_an_average() -> None:
     red = UMBPConnectorStats(data={"quarantine_skips": 2, "idle_waits": 0}).reduce()
     assert red["quarantine_skips"] == 2 and "idle_waits" not in red
     assert red["unexpected_errors"] == 0  # always shown
+
+
+def test_the_package_logs_go_through_vllms_handlers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a process's first connector does to logging (``_route_logs_to_vllm``)."""
+    ours, theirs = logging.getLogger("umbp_redis"), logging.getLogger("vllm")
+    level = ours.level
+    handler = logging.NullHandler()
+    monkeypatch.setattr(theirs, "handlers", [handler])
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "propagate", True)
+    try:
+        # Unwrapped: this process's connectors may have run it already (once a process).
+        connector._route_logs_to_vllm.__wrapped__()
+        assert ours.handlers == [handler] and not ours.propagate
+        assert ours.level == (theirs.level or logging.INFO)
+    finally:
+        ours.setLevel(level)

@@ -9,6 +9,7 @@ worker half (``umbp_redis.engine.worker``) moves the bytes; both share the data 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -30,17 +31,19 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
+@functools.cache
 def _route_logs_to_vllm() -> None:
-    """Send this package's log records through vLLM's handlers (same format and level)."""
+    """Send this package's log records through vLLM's handlers (same format and level).
+
+    Runs once per process, when its first connector is made: by then vLLM has set up
+    its logging, and importing this module changes no logger.
+    """
     ours, theirs = logging.getLogger("umbp_redis"), logging.getLogger("vllm")
     if not ours.handlers and theirs.handlers:
         for h in theirs.handlers:
             ours.addHandler(h)
         ours.setLevel(theirs.level or logging.INFO)
         ours.propagate = False
-
-
-_route_logs_to_vllm()
 
 
 class UMBPRedisConnector(KVConnectorBase_V1, SupportsHMA):
@@ -52,6 +55,7 @@ class UMBPRedisConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        _route_logs_to_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         settings, options = parse_connector_options(
             self._kv_transfer_config.kv_connector_extra_config
