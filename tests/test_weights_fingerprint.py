@@ -33,6 +33,18 @@ def test_new_weights_at_the_same_path_change_the_fingerprint(model_copy: Path) -
     assert weights_fingerprint(mc, "off") == "off"
 
 
+def test_dummy_weights_are_never_the_files_weights(model_copy: Path) -> None:
+    """vLLM's ``--load-format dummy`` fills the model with random weights: its engines
+    must not share KV blocks with engines that load the files at the same path."""
+    from vllm.config import LoadConfig
+
+    mc = ModelConfig(model=str(model_copy), dtype="bfloat16", max_model_len=1024)
+    dummy = weights_fingerprint(mc, load_format=str(LoadConfig(load_format="dummy").load_format))
+    assert dummy.startswith("dummy:")
+    assert dummy != weights_fingerprint(mc) and dummy != weights_fingerprint(mc, "full")
+    assert weights_fingerprint(mc, load_format="safetensors") == weights_fingerprint(mc)
+
+
 def test_full_mode_sees_a_byte_the_samples_skip(tmp_path: Path) -> None:
     weights = tmp_path / "model-00001-of-00001.safetensors"
     data = bytearray(range(256)) * (4 << 12)  # 4 MiB: the 16 windows cover a quarter

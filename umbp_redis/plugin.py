@@ -13,6 +13,7 @@ def register() -> None:
     its secondary tier factory, and mask a Redis password of the connector's config in
     vLLM's argument log line (idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     from umbp_redis import log_redaction
 
@@ -22,10 +23,6 @@ def register() -> None:
         KVConnectorFactory.register_connector(
             "UMBPRedisConnector", "umbp_redis.connector", "UMBPRedisConnector"
         )
-    try:
-        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-    except ImportError:  # a vLLM without offloading tiers: the connector alone
-        return
     if "umbp_redis" not in SecondaryTierFactory._registry:
         SecondaryTierFactory.register_tier(
             "umbp_redis", "umbp_redis.engine.redis_tier", "UMBPRedisTier"

@@ -77,16 +77,17 @@ def _hub_commit(model: str, revision: str | None) -> str | None:
     return Path(path).name or None
 
 
-def weights_fingerprint(model_config: Any, mode: str = "sampled") -> str:
-    """The weights part of the namespace for ``model_config`` (``mode``: sampled, full, off).
+def weights_fingerprint(model_config: Any, mode: str = "sampled", load_format: str = "auto") -> str:
+    """The weights part of the namespace for ``model_config`` (``mode``: sampled, full,
+    off), loaded with ``load_format`` (vLLM's ``LoadConfig.load_format``): ``dummy``
+    weights are random, never those of the files at the model's path.
 
     Never raises: weights it cannot read are named ``unknown`` (with one warning), so
     the namespace still separates models by path, revision and config.
     """
     if mode == "off":
         return "off"
-    load_format = str(getattr(model_config, "load_format", "") or "")
-    if load_format == "dummy":
+    if str(load_format) == "dummy":
         return f"dummy:seed={getattr(model_config, 'seed', None)}"
     model = str(model_config.model or "")
     try:

@@ -106,7 +106,11 @@ class UMBPWorker:
         )
         weights = None
         if UMBPNamespace.configured(vllm_config) is None:
-            weights = weights_fingerprint(vllm_config.model_config, options.weights_fingerprint)
+            weights = weights_fingerprint(
+                vllm_config.model_config,
+                options.weights_fingerprint,
+                str(vllm_config.load_config.load_format),
+            )
         self.namespace = UMBPNamespace.resolve(vllm_config, kv_cache_config, weights)
         self.codec = BlockIdentityCodec(
             self.namespace.value,
