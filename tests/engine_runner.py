@@ -103,7 +103,8 @@ def _settle_stores(llm, sched: Any, flush_params: Any) -> None:  # type: ignore[
 def _redis_answers_again(sched: Any) -> bool:
     """Whether the connector's data plane (of ``sched``, the scheduler half) uses Redis
     again: a plane still asking what the server is (Redis was away at startup) has had
-    its answer, and the plane has left its fail-fast window."""
+    its answer, the plane has left its fail-fast window, and its lookup connection is
+    made again (until then its lookups are misses)."""
     plane = getattr(sched, "plane", None)
     if plane is None:
         return True
@@ -112,7 +113,9 @@ def _redis_answers_again(sched: Any) -> bool:
     plane = getattr(plane, "inner", None) or plane
     if not hasattr(plane, "pool"):  # a cluster's nodes keep their own windows
         return True
-    return bool(plane.pool.healthy and plane.lookup_conn.health.healthy)
+    conn = plane.lookup_conn  # healthy, and its socket re-made after the outage
+    conn.start()  # a re-make that failed while Redis was away: another, off this thread
+    return bool(plane.pool.healthy and conn.health.healthy and not conn.reconnecting)
 
 
 def _published_events(llm, replay_port: int) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]

@@ -124,13 +124,23 @@ def test_a_frozen_server_bounds_lookups_and_opens_no_fail_fast_window(
     assert plane.store([(k, np.ones(64, dtype=np.uint8))], FP) == [StoreStatus.STORED]
     assert plane.lookup([k]) == [True]  # the warm connection is up
     with FrozenServer(own_redis) as frozen:
-        # On the warm connection, then waiting for the new one (its handshake unanswered).
-        unanswered_lookups(plane, n=3)
-        assert frozen.still_frozen  # ended by lookup_timeout_s: nothing was answered
+        # On the warm connection: ended by lookup_timeout_s, nothing was answered.
+        unanswered_lookups(plane, n=1)
+        assert frozen.still_frozen
+        # Its replacement's handshake is unanswered: until it is ready, a lookup is a
+        # miss at once, not a wait. Given an hour, these return with the server frozen.
+        before = plane.stats.snapshot()
+        for _ in range(3):
+            assert plane.lookup(block_keys(50, namespace=NS), timeout=HOUR) is None
+        assert frozen.still_frozen and plane.lookup_conn.reconnecting
+        after = plane.stats.snapshot()
+        assert after["lookup_errors"] - before["lookup_errors"] == 3
+        assert after["lookup_timeouts"] == before["lookup_timeouts"]
     # A slow reply is not a dead server: no fail-fast window for either kind of call.
     assert plane.lookup_conn.health.healthy and plane.pool.healthy
-    # The lookup connection is re-made in the background.
+    # The lookup connection is re-made in the background once the server answers.
     wait_until(lambda: plane.lookup([k]) == [True], what="a lookup answered again")
+    assert not plane.lookup_conn.reconnecting
     dst = np.zeros(64, dtype=np.uint8)
     assert plane.load([(k, dst.data)], FP) == [LoadStatus.LOADED]
     assert np.array_equal(dst, np.ones(64, dtype=np.uint8))

@@ -399,7 +399,10 @@ class WarmConnection:
 
     ``connection(deadline)`` hands out the ready socket or waits for it until the
     deadline, never longer; a broken socket is closed and a new one is started at once
-    off the caller's thread. Concurrent callers take turns.
+    off the caller's thread. Until that one is ready (``reconnecting``), calls fail at
+    once instead of waiting: a server that just failed one call, slow or gone, costs one
+    call its deadline, not every call until it answers again. Concurrent callers take
+    turns.
     """
 
     def __init__(self, settings: RedisSettings, alarm: AuthAlarm, what: str = "lookups") -> None:
@@ -411,6 +414,7 @@ class WarmConnection:
         self._lent = False
         self._connecting = False
         self._closed = False
+        self._lost = False  # a lent socket failed and no new one is ready yet
         self.connects = 0
 
     def start(self) -> None:
@@ -446,6 +450,7 @@ class WarmConnection:
                     self.connects += 1
                     self.health.note_success()
                     self._ready = conn
+                    self._lost = False
             self._cv.notify_all()
 
     @contextmanager
@@ -464,6 +469,11 @@ class WarmConnection:
                     self._lent = True
                     break
                 self._kick()
+                if self._lost and not self._lent:
+                    raise RedisUnavailableError(
+                        f"the connection to {self.settings.redacted_url} is being re-made "
+                        "after a failed call"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cv.wait(left):
                     if time.monotonic() >= deadline:
@@ -481,8 +491,15 @@ class WarmConnection:
                 if not ok:  # the lease closed it
                     if self._ready is conn:
                         self._ready = None
+                        self._lost = True
                     self._kick()
                 self._cv.notify_all()
+
+    @property
+    def reconnecting(self) -> bool:
+        """Whether a socket failed and its replacement is not ready yet (calls fail at
+        once meanwhile)."""
+        return self._lost
 
     def close(self) -> None:
         """Close the socket; later calls fail at once."""
