@@ -323,3 +323,39 @@ def skip_without_vllm_router() -> None:
         find_router_binary()
     except RouterMissingError as e:
         pytest.skip(str(e))
+
+
+def run_bench_fleet(model: Path, work: Path, *args: str, timeout_s: float = 600) -> dict:  # type: ignore[type-arg]
+    """``umbp-redis bench fleet --json`` of no-connector and umbp-redis on ``model``, 16
+    blocks per engine, 4 answer tokens, one repeat, with ``args``; its JSON result (also
+    written to ``work/fleet.json`` for a look after a failure)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "umbp_redis.cli",
+            "bench",
+            "fleet",
+            "--model",
+            str(model),
+            "--configs",
+            "no-connector,umbp-redis",
+            "--answer-tokens",
+            "4",
+            "--blocks",
+            "16",
+            "--repeats",
+            "1",
+            "--quiet",
+            "--json",
+            "--work-dir",
+            str(work),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (work / "fleet.json").write_text(out.stdout)
+    return json.loads(out.stdout)  # type: ignore[no-any-return]

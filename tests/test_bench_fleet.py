@@ -4,13 +4,10 @@ behind the vLLM project's router (``vllm-router``, kv_aware policy)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import skip_without_vllm_router
+from helpers import run_bench_fleet, skip_without_vllm_router
 
 # Two short conversations. A user reads each answer before the next turn: round r's
 # blocks, stored eagerly after the step that computed them, are in Redis when round
@@ -21,40 +18,6 @@ SHORT_CONVERSATIONS = (
 )  # fmt: skip
 
 pytestmark = pytest.mark.vllm
-
-
-def run_bench_fleet(model: Path, work: Path, *args: str) -> dict:  # type: ignore[type-arg]
-    """``umbp-redis bench fleet --json`` of no-connector and umbp-redis on ``model``, 16
-    blocks per engine, 4 answer tokens, one repeat, with ``args``; its JSON result."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "umbp_redis.cli",
-            "bench",
-            "fleet",
-            "--model",
-            str(model),
-            "--configs",
-            "no-connector,umbp-redis",
-            "--answer-tokens",
-            "4",
-            "--blocks",
-            "16",
-            "--repeats",
-            "1",
-            "--quiet",
-            "--json",
-            "--work-dir",
-            str(work),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)  # type: ignore[no-any-return]
 
 
 def test_the_fleet_bench_finds_the_other_engines_blocks_in_redis(

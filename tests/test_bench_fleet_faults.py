@@ -4,10 +4,7 @@ the tiny model, Redis killed, paused and squeezed under the umbp-redis configura
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from helpers import run_bench_fleet
 
 from umbp_redis.bench.fleet_faults import (
     LOADED,
@@ -109,38 +107,9 @@ SCHEDULE = "pause@2+2,maxmemory@5+2,kill@8+2"
 def test_the_fleet_bench_injects_redis_faults_and_reports_them_by_phase(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "umbp_redis.cli",
-            "bench",
-            "fleet",
-            "--model",
-            str(tiny_model),
-            "--configs",
-            "no-connector,umbp-redis",
-            "--answer-tokens",
-            "4",
-            "--blocks",
-            "16",
-            "--repeats",
-            "1",
-            "--quiet",
-            "--json",
-            "--work-dir",
-            str(tmp_path),
-            "--faults",
-            SCHEDULE,
-            *CONVERSATIONS,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    result: dict[str, Any] = run_bench_fleet(
+        tiny_model, tmp_path, "--faults", SCHEDULE, *CONVERSATIONS, timeout_s=900
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    (tmp_path / "fleet.json").write_text(out.stdout)  # for a look after a failure
-    result: dict[str, Any] = json.loads(out.stdout)
     runs = {r["config"]: r for r in result["runs"]}
     for name, run in runs.items():
         print(f"{name}: the workload ran {run['wall_s']:.1f} s")
